@@ -1,0 +1,389 @@
+"""Batched next-token sampling with vLLM's semantics.
+
+The runner computes logits only for the positions it samples, one row per row of a
+`SamplingBatch`, and calls `Sampler` once per step. Per row, in this order:
+
+1. logprobs (when asked) are the log-softmax of the raw logits as passed in;
+2. banned ids (stop ids and EOS of rows below `min_tokens`) are set to -inf;
+3. penalties: repetition over prompt + output tokens (positive logits divided by it,
+   negative ones multiplied), then frequency and presence over output tokens only:
+   ``logit -= frequency * count + presence * (count > 0)``;
+4. greedy rows take the argmax of these logits (ties go to the lowest id);
+5. other rows divide by their temperature, then keep the top-k logits (ties with the
+   k-th are kept), then the top-p nucleus, then the tokens at least min_p times as
+   probable as the most probable one, and draw with the exponential race
+   ``argmax(probs / E)``, E ~ Exp(1) i.i.d. per vocabulary entry.
+
+Every stage works on whole rows at once, and only on the rows that use it. The race
+noise of a row with its own generator is drawn from that generator alone, one vocabulary
+row per step, and every stage computes each row independently of the others, so a
+seeded request samples the same tokens whatever else is in the batch and wherever its
+row is. Rows without a generator share one draw from the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from loom.sampling_params import SamplingParams
+
+# The smallest noise value used: an exact 0 from the exponential draw would divide a
+# zero probability into NaN, which argmax would pick.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+def _column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The sampling settings of one step, one row per sampled position.
+
+    Greedy rows carry temperature 0, top_k 0, top_p 1 and min_p 0, so they never make a
+    filtering stage run. `generators[i]` is the row's own generator (None: the
+    sampler's shared one). The id lists are per row and may be None when no row needs
+    them: prompt ids for the repetition penalty, output ids for every penalty, banned
+    ids for rows that must not end yet. The flags after `num_logprobs` are derived.
+    """
+
+    temperature: torch.Tensor         # [S] float32, 0 for greedy rows
+    top_k: torch.Tensor               # [S] int64, 0 = disabled
+    top_p: torch.Tensor               # [S] float32, 1 = disabled
+    min_p: torch.Tensor               # [S] float32, 0 = disabled
+    presence_penalty: torch.Tensor    # [S] float32, 0 = disabled
+    frequency_penalty: torch.Tensor   # [S] float32, 0 = disabled
+    repetition_penalty: torch.Tensor  # [S] float32, 1 = disabled
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[Sequence[int]] | None
+    output_token_ids: list[Sequence[int]] | None
+    banned_token_ids: list[Sequence[int]] | None
+    num_logprobs: list[int | None]
+
+    greedy: torch.Tensor = field(init=False)  # [S] bool
+    all_greedy: bool = field(init=False)
+    all_random: bool = field(init=False)
+    no_penalties: bool = field(init=False)
+    no_top_k: bool = field(init=False)
+    no_top_p: bool = field(init=False)
+    no_min_p: bool = field(init=False)
+    max_num_logprobs: int | None = field(init=False)  # None: no row asked
+
+    def __post_init__(self) -> None:
+        rows = self.temperature.shape[0]
+        for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name).shape != (rows,):
+                raise ValueError(f"SamplingBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
+                                 f"expected ({rows},)")
+        for name in ("generators", "num_logprobs", "prompt_token_ids", "output_token_ids",
+                     "banned_token_ids"):
+            value = getattr(self, name)
+            if value is not None and len(value) != rows:
+                raise ValueError(f"SamplingBatch.{name} has {len(value)} rows, expected {rows}")
+
+        greedy = self.temperature == 0
+        penalised = ((self.presence_penalty != 0) | (self.frequency_penalty != 0)
+                     | (self.repetition_penalty != 1)).any().item()
+        if penalised and self.output_token_ids is None:
+            raise ValueError("SamplingBatch uses penalties but has no output_token_ids")
+        if (self.repetition_penalty != 1).any().item() and self.prompt_token_ids is None:
+            raise ValueError("SamplingBatch uses repetition_penalty but has no prompt_token_ids")
+        asked = [k for k in self.num_logprobs if k is not None]
+
+        derived = {
+            "greedy": greedy,
+            "all_greedy": bool(greedy.all().item()),
+            "all_random": not bool(greedy.any().item()),
+            "no_penalties": not penalised,
+            "no_top_k": not bool((self.top_k > 0).any().item()),
+            "no_top_p": not bool((self.top_p < 1).any().item()),
+            "no_min_p": not bool((self.min_p > 0).any().item()),
+            "max_num_logprobs": max(asked) if asked else None,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingBatch:
+        """The batch for rows sampled with `params[i]`.
+
+        `generators` defaults to none (every row uses the shared generator). The id
+        lists are kept only when some row needs them: prompt ids when a row has a
+        repetition penalty, output ids when a row has any penalty.
+        """
+        greedy = [p.is_greedy for p in params]
+        temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = [0 if g or p.top_k < 0 else p.top_k for p, g in zip(params, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        repetition = any(p.repetition_penalty != 1 for p in params)
+        penalised = repetition or any(p.presence_penalty != 0 or p.frequency_penalty != 0
+                                      for p in params)
+        return cls(
+            temperature=_column(temperature, torch.float32),
+            top_k=_column(top_k, torch.int64),
+            top_p=_column(top_p, torch.float32),
+            min_p=_column(min_p, torch.float32),
+            presence_penalty=_column([p.presence_penalty for p in params], torch.float32),
+            frequency_penalty=_column([p.frequency_penalty for p in params], torch.float32),
+            repetition_penalty=_column([p.repetition_penalty for p in params], torch.float32),
+            generators=list(generators) if generators is not None else [None] * len(params),
+            prompt_token_ids=list(prompt_ids) if repetition and prompt_ids is not None else None,
+            output_token_ids=list(output_ids) if penalised and output_ids is not None else None,
+            banned_token_ids=list(banned) if banned is not None else None,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """The tokens of one step and, when any row asked, their logprobs.
+
+    Logprobs are of the raw logits. Rows that did not ask hold NaN logprobs and -1 ids;
+    a row that asked for k alternatives reads the first k columns of `top_*`, which are
+    sorted most probable first.
+    """
+
+    token_ids: torch.Tensor              # [S] int64
+    logprobs: torch.Tensor | None        # [S] float32, of the sampled token
+    top_logprobs: torch.Tensor | None    # [S, K] float32, K = max_num_logprobs
+    top_token_ids: torch.Tensor | None   # [S, K] int64
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """A fresh generator for a seeded request (None when unseeded); keep it for its life."""
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
+
+
+def _flatten(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, id) pairs of every id in `rows`, as two int64 tensors."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(rows)), lengths), ids
+
+
+def apply_banned(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
+    """Set `logits[i, t]` to -inf for every id t in `banned[i]`; ids >= V are ignored."""
+    row, ids = _flatten(banned)
+    keep = ids < logits.shape[1]
+    logits[row[keep], ids[keep]] = float("-inf")
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """[R, V] int64: how often each id occurs in each row of `token_ids`."""
+    row, ids = _flatten(token_ids)
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.int64)
+    counts.index_put_((row, ids), torch.ones_like(ids), accumulate=True)
+    return counts
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[Sequence[int]] | None,
+    output_ids: Sequence[Sequence[int]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> None:
+    """Apply vLLM's three penalties to `logits` [R, V] in place, row i with row i's values.
+
+    Repetition: a token seen in the prompt or the output has a positive logit divided
+    by the penalty and a negative one multiplied by it. Then
+    ``logit -= frequency * count + presence * (count > 0)``, counting output tokens only.
+    `prompt_ids` may be None only when every repetition penalty is 1.
+    """
+    counts = token_counts(output_ids, logits.shape[1])
+    seen = counts > 0
+    if (repetition != 1).any():
+        if prompt_ids is None:
+            raise ValueError("a repetition penalty needs the prompt token ids")
+        seen_any = seen | (token_counts(prompt_ids, logits.shape[1]) > 0)
+        penalty = torch.where(seen_any, repetition.unsqueeze(1), 1.0)
+        logits.copy_(torch.where(logits > 0, logits / penalty, logits * penalty))
+    logits -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * seen
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> None:
+    """Mask to -inf, in place, the logits outside each row's top-k and top-p sets.
+
+    top_k [R] int64: k <= 0 or k >= V keeps every token; otherwise tokens below the k-th
+    largest logit are dropped (ties with it are kept). top_p [R] float32 or None: on the
+    softmax of what top-k kept, drop the least probable tokens while their total stays
+    <= 1 - p; the most probable token is always kept.
+    """
+    vocab = logits.shape[1]
+    k_on = (top_k > 0) & (top_k < vocab)
+    if top_p is None:
+        if not k_on.any():
+            return
+        k = torch.where(k_on, top_k, 1)
+        largest = logits.topk(int(k.max()), dim=1).values
+        threshold = largest.gather(1, (k - 1).unsqueeze(1))
+        threshold.masked_fill_(~k_on.unsqueeze(1), float("-inf"))
+        logits.masked_fill_(logits < threshold, float("-inf"))
+        return
+
+    ascending, order = logits.sort(dim=1, stable=True)
+    if k_on.any():
+        kth = (vocab - torch.where(k_on, top_k, vocab)).unsqueeze(1)
+        threshold = ascending.gather(1, kth)
+        threshold.masked_fill_(~k_on.unsqueeze(1), float("-inf"))
+        ascending.masked_fill_(ascending < threshold, float("-inf"))
+    below = ascending.softmax(dim=1).cumsum(dim=1) <= (1 - top_p).unsqueeze(1)
+    below[:, -1] = False
+    drop = ascending.isneginf() | below
+    logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Zero, in place, the probabilities below min_p times their row's largest."""
+    threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _rows_where(mask: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the true rows of `mask`, or None when all are true."""
+    return None if bool(mask.all()) else mask.nonzero().squeeze(1)
+
+
+def _on_rows(x: torch.Tensor, rows: torch.Tensor | None, fn: Callable[..., None],
+             *row_args: torch.Tensor | None) -> None:
+    """Run `fn(x[rows], *row_args[rows])` in place on the chosen rows (all when None)."""
+    if rows is None:
+        fn(x, *row_args)
+        return
+    part = x[rows]
+    fn(part, *(a[rows] if a is not None else None for a in row_args))
+    x[rows] = part
+
+
+class Sampler:
+    """Chooses the next token of every row of a batch; see the module docstring.
+
+    `seed` seeds the generator shared by rows without their own (None: seeded from
+    system entropy).
+    """
+
+    def __init__(self, seed: int | None = None):
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of `logits` [S, V]; float32 logits are modified in place."""
+        if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
+            raise ValueError(f"logits have shape {tuple(logits.shape)}, expected ({batch.num_rows}, V)")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+
+        lp_rows = lp = None
+        if batch.max_num_logprobs is not None:
+            lp_rows = torch.tensor([k is not None for k in batch.num_logprobs])
+            lp = logits[lp_rows].log_softmax(dim=1)
+
+        if batch.banned_token_ids is not None:
+            apply_banned(logits, batch.banned_token_ids)
+        if not batch.no_penalties:
+            self._penalise(logits, batch)
+
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=1)
+        else:
+            token_ids = torch.empty(batch.num_rows, dtype=torch.int64)
+            if not batch.all_random:
+                token_ids[batch.greedy] = logits[batch.greedy].argmax(dim=1)
+            random_rows = _rows_where(~batch.greedy)
+            if random_rows is None:
+                token_ids[:] = self._sample(logits, batch, torch.arange(batch.num_rows))
+            else:
+                token_ids[random_rows] = self._sample(logits[random_rows], batch, random_rows)
+
+        if lp is None:
+            return SamplerOutput(token_ids, None, None, None)
+        return self._logprobs(lp, lp_rows, token_ids, batch.max_num_logprobs)
+
+    @staticmethod
+    def _penalise(logits: torch.Tensor, batch: SamplingBatch) -> None:
+        """Apply the penalties on the rows that have any, leaving the others untouched."""
+        on = ((batch.presence_penalty != 0) | (batch.frequency_penalty != 0)
+              | (batch.repetition_penalty != 1))
+        rows = _rows_where(on)
+        if rows is None:
+            apply_penalties(logits, batch.prompt_token_ids, batch.output_token_ids,
+                            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty)
+            return
+        picked = rows.tolist()
+        prompt = batch.prompt_token_ids
+        part = logits[rows]
+        apply_penalties(part, None if prompt is None else [prompt[i] for i in picked],
+                        [batch.output_token_ids[i] for i in picked], batch.presence_penalty[rows],
+                        batch.frequency_penalty[rows], batch.repetition_penalty[rows])
+        logits[rows] = part
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Draw one token for each row of `logits`, which are the batch's `rows`."""
+        logits.div_(batch.temperature[rows].unsqueeze(1))
+
+        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
+        if not (batch.no_top_k and batch.no_top_p):
+            k_on, p_on = top_k > 0, top_p < 1
+            if bool(p_on.any()):
+                _on_rows(logits, _rows_where(k_on | p_on), apply_top_k_top_p, top_k, top_p)
+            elif bool(k_on.any()):
+                _on_rows(logits, _rows_where(k_on), apply_top_k_top_p, top_k, None)
+
+        probs = logits.softmax(dim=1)
+        if not batch.no_min_p:
+            min_p = batch.min_p[rows]
+            on = min_p > 0
+            if bool(on.any()):
+                _on_rows(probs, _rows_where(on), apply_min_p, min_p)
+
+        noise = self._noise(probs.shape, [batch.generators[i] for i in rows.tolist()])
+        return probs.div_(noise).argmax(dim=1)
+
+    def _noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) noise [R, V]: row i from generators[i], or from the shared generator."""
+        noise = torch.empty(shape)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            noise.exponential_(generator=self.generator)
+        else:
+            for i, g in enumerate(generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+            if shared:
+                noise[shared] = torch.empty(len(shared), shape[1]).exponential_(generator=self.generator)
+        return noise.clamp_min_(_MIN_NOISE)
+
+    @staticmethod
+    def _logprobs(lp: torch.Tensor, lp_rows: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+        rows = token_ids.shape[0]
+        chosen = torch.full((rows,), float("nan"))
+        chosen[lp_rows] = lp.gather(1, token_ids[lp_rows].unsqueeze(1)).squeeze(1)
+        top_lp = torch.full((rows, k), float("nan"))
+        top_ids = torch.full((rows, k), -1, dtype=torch.int64)
+        if k > 0:
+            top = lp.topk(k, dim=1)
+            top_lp[lp_rows], top_ids[lp_rows] = top.values, top.indices
+        return SamplerOutput(token_ids, chosen, top_lp, top_ids)

@@ -1,0 +1,217 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and meaning.
+
+`SamplingParams` is validated on construction: every out-of-range value raises
+`InvalidRequestError` with a message naming the field, the value given and the range
+allowed, so the server can hand it back to the client as a 400.
+
+After construction the fields are normalised:
+
+* `stop` and `stop_token_ids` are always tuples (empty when not given);
+* integral floats are stored as `float`, so `temperature=1` reads back as `1.0`.
+
+The dataclass is not frozen, but assigning to a field bypasses validation; derive a
+changed copy with `clone(field=value)`, which validates again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loom.errors import InvalidRequestError
+
+# A temperature below this is treated as 0: the request decodes greedily.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# The most top alternatives a request may ask logprobs for.
+MAX_LOGPROBS = 20
+# The range `torch.Generator.manual_seed` accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingType(enum.Enum):
+    """How a request's next token is chosen."""
+
+    GREEDY = "greedy"            # argmax of the (penalised) logits
+    RANDOM = "random"            # drawn from the shared generator
+    RANDOM_SEED = "random_seed"  # drawn from the request's own seeded generator
+
+
+def _fail(name: str, value: Any, allowed: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(name: str, value: Any, allowed: str) -> float:
+    """`value` as a finite float; anything else is a request error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(name, value, allowed)
+    return float(value)
+
+
+def _int(name: str, value: Any, allowed: str) -> int:
+    if not _is_int(value):
+        raise _fail(name, value, allowed)
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, value, "a boolean")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one request (vLLM-compatible subset).
+
+    n: completions to return for the prompt, >= 1.
+    best_of: completions to generate and rank (None: n), >= n.
+    temperature: logits are divided by it; 0 (anything below 1e-5) decodes greedily.
+    top_p: keep the most probable tokens whose total probability reaches top_p, in (0, 1].
+    top_k: keep the k most probable tokens; 0 or -1 keeps all.
+    min_p: drop tokens less probable than min_p times the most probable one, in [0, 1].
+    presence_penalty: subtracted from the logit of every token already generated, in [-2, 2].
+    frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2].
+    repetition_penalty: > 0; logits of tokens in the prompt or output are divided by it
+        when positive and multiplied by it when negative (1 disables).
+    seed: seeds the request's own generator, making its samples reproducible whatever
+        else shares the batch.
+    stop: strings that end the completion when generated.
+    stop_token_ids: token ids that end the completion when generated.
+    include_stop_str_in_output: keep the matched stop string in the returned text.
+    ignore_eos: keep generating past the end-of-sequence token.
+    max_tokens: most tokens to generate, >= 1; None runs to the context limit.
+    min_tokens: stop strings, stop ids and EOS are not sampled before this many tokens.
+    logprobs: None returns no logprobs; k >= 0 returns the chosen token's logprob and
+        the k most probable alternatives (at most 20).
+    skip_special_tokens: leave special tokens out of the detokenized text.
+    spaces_between_special_tokens: put spaces between adjacent special tokens in the text.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n, "an integer >= 1")
+        if self.n < 1:
+            raise _fail("n", self.n, "an integer >= 1")
+        if self.best_of is not None:
+            allowed = f"None or an integer >= n ({self.n})"
+            if _int("best_of", self.best_of, allowed) < self.n:
+                raise _fail("best_of", self.best_of, allowed)
+
+        self.temperature = _real("temperature", self.temperature, "a number >= 0")
+        if self.temperature < 0:
+            raise _fail("temperature", self.temperature, "a number >= 0")
+        self.top_p = _real("top_p", self.top_p, "a number in (0, 1]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", self.top_p, "a number in (0, 1]")
+        if _int("top_k", self.top_k, "an integer >= -1 (0 or -1 disables)") < -1:
+            raise _fail("top_k", self.top_k, "an integer >= -1 (0 or -1 disables)")
+        self.min_p = _real("min_p", self.min_p, "a number in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _fail("min_p", self.min_p, "a number in [0, 1]")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "a number in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise _fail(name, value, "a number in [-2, 2]")
+            setattr(self, name, value)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, "a number > 0")
+        if self.repetition_penalty <= 0:
+            raise _fail("repetition_penalty", self.repetition_penalty, "a number > 0")
+
+        if self.seed is not None:
+            allowed = f"None or an integer in [{_SEED_MIN}, {_SEED_MAX}]"
+            if not _SEED_MIN <= _int("seed", self.seed, allowed) <= _SEED_MAX:
+                raise _fail("seed", self.seed, allowed)
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_ids(self.stop_token_ids)
+
+        if self.max_tokens is not None:
+            if _int("max_tokens", self.max_tokens, "None or an integer >= 1") < 1:
+                raise _fail("max_tokens", self.max_tokens, "None or an integer >= 1")
+        upper = "" if self.max_tokens is None else f" and <= max_tokens ({self.max_tokens})"
+        allowed = f"an integer >= 0{upper}"
+        min_tokens = _int("min_tokens", self.min_tokens, allowed)
+        if min_tokens < 0 or (self.max_tokens is not None and min_tokens > self.max_tokens):
+            raise _fail("min_tokens", self.min_tokens, allowed)
+
+        if self.logprobs is not None:
+            allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
+            if not 0 <= _int("logprobs", self.logprobs, allowed) <= MAX_LOGPROBS:
+                raise _fail("logprobs", self.logprobs, allowed)
+
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            _flag(name, getattr(self, name))
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> tuple[str, ...]:
+        allowed = "None, a non-empty string or a list of non-empty strings"
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise _fail("stop", stop, allowed)
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise _fail("stop", stop, allowed)
+        return tuple(items)
+
+    @staticmethod
+    def _normalise_stop_ids(ids: Any) -> tuple[int, ...]:
+        allowed = "None or a list of integers >= 0"
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)):
+            raise _fail("stop_token_ids", ids, allowed)
+        for token in ids:
+            if not _is_int(token) or token < 0:
+                raise _fail("stop_token_ids", ids, allowed)
+        return tuple(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax instead of sampling."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def effective_best_of(self) -> int:
+        """Completions to generate: `best_of` when given, else `n`."""
+        return self.n if self.best_of is None else self.best_of
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A validated copy, with `changes` applied to the named fields."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,386 @@
+"""SamplingParams validation and the batched sampler's semantics (pure CPU, fast)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loom.errors import InvalidRequestError
+from loom.sample import (
+    Sampler,
+    SamplingBatch,
+    apply_banned,
+    apply_penalties,
+    request_generator,
+)
+from loom.sampling_params import SamplingParams, SamplingType
+
+V = 1000
+
+
+def random_logits(rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0, **build_args):
+    """Sample a copy of `logits` (the sampler may modify its input)."""
+    batch = SamplingBatch.build(params, **build_args)
+    return Sampler(seed)(logits.clone(), batch)
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+BAD_PARAMS = [
+    ("n", {"n": 0}),
+    ("n", {"n": 1.5}),
+    ("best_of", {"n": 3, "best_of": 2}),
+    ("temperature", {"temperature": -0.1}),
+    ("temperature", {"temperature": float("nan")}),
+    ("temperature", {"temperature": "hot"}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 2.5}),
+    ("min_p", {"min_p": -0.1}),
+    ("min_p", {"min_p": 1.1}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -3.0}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}),
+    ("repetition_penalty", {"repetition_penalty": -1.0}),
+    ("seed", {"seed": 1.5}),
+    ("seed", {"seed": "7"}),
+    ("seed", {"seed": 2**64}),
+    ("stop", {"stop": ""}),
+    ("stop", {"stop": ["ok", ""]}),
+    ("stop", {"stop": ["ok", 3]}),
+    ("stop_token_ids", {"stop_token_ids": [1, "2"]}),
+    ("stop_token_ids", {"stop_token_ids": [1, 2.0]}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": 2.0}),
+    ("min_tokens", {"min_tokens": -1}),
+    ("min_tokens", {"max_tokens": 10, "min_tokens": 11}),
+    ("logprobs", {"logprobs": -1}),
+    ("logprobs", {"logprobs": 21}),
+    ("ignore_eos", {"ignore_eos": "yes"}),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", BAD_PARAMS, ids=[f"{n}={kw[n]!r}" for n, kw in BAD_PARAMS])
+def test_invalid_params_name_field_and_value(name, kwargs):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    message = str(err.value)
+    assert message.startswith(f"{name} must be ")
+    assert repr(kwargs[name]) in message
+
+
+def test_params_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, 0, 0.0, 16)
+    assert p.stop == () and p.stop_token_ids == () and p.logprobs is None
+    assert p.sampling_type is SamplingType.RANDOM and not p.is_greedy
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
+    assert SamplingParams(temperature=1).temperature == 1.0
+    assert SamplingParams(top_k=-1, max_tokens=None, min_tokens=5).max_tokens is None
+
+
+def test_clone_copies_and_revalidates():
+    p = SamplingParams(temperature=0.5, stop=["x"], seed=4)
+    q = p.clone()
+    assert q == p and q is not p
+    q.temperature = 0.9
+    assert p.temperature == 0.5
+    assert p.clone(max_tokens=3).max_tokens == 3
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        p.clone(temperature=-1.0)
+
+
+# ---------------------------------------------------------------- greedy
+
+def test_greedy_is_argmax():
+    logits = random_logits(16)
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 16)
+    assert torch.equal(out.token_ids, logits.argmax(dim=1))
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_greedy_rows_in_mixed_batch_are_argmax():
+    logits = random_logits(8)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.3, top_p=0.9) for i in range(8)]
+    out = sample(logits, params)
+    assert torch.equal(out.token_ids[1::2], logits[1::2].argmax(dim=1))
+
+
+def test_greedy_ties_go_to_lowest_id():
+    logits = torch.zeros(3, 10)
+    logits[0, [7, 3, 5]] = 2.0
+    logits[2, [9, 4]] = -0.5
+    logits[2, :4] = -1.0
+    logits[2, 5:9] = -1.0
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 3)
+    assert out.token_ids.tolist() == [3, 0, 4]
+
+
+def test_top_k_one_is_greedy():
+    logits = random_logits(64, scale=1.0)
+    out = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 64)
+    assert torch.equal(out.token_ids, logits.argmax(dim=1))
+
+
+# ---------------------------------------------------------------- filtering
+
+DRAWS = 2000
+
+
+def allowed_top_k(row: torch.Tensor, k: int) -> set[int]:
+    return set(row.topk(k).indices.tolist())
+
+
+def allowed_top_p(row: torch.Tensor, temperature: float, p: float) -> set[int]:
+    """The nucleus: most probable first, a token is kept while the mass before it is < p."""
+    probs, order = (row / temperature).softmax(dim=0).double().sort(descending=True)
+    before = probs.cumsum(dim=0) - probs
+    return set(order[before < p].tolist())
+
+
+def allowed_min_p(row: torch.Tensor, temperature: float, min_p: float) -> set[int]:
+    probs = (row / temperature).softmax(dim=0)
+    return set((probs >= min_p * probs.max()).nonzero().squeeze(1).tolist())
+
+
+def draw_many(row: torch.Tensor, params: SamplingParams, seed: int = 1) -> set[int]:
+    out = sample(row.expand(DRAWS, -1).contiguous(), [params] * DRAWS, seed=seed)
+    return set(out.token_ids.tolist())
+
+
+def test_top_k_stays_in_top_k():
+    row = random_logits(1, scale=1.0)[0]
+    drawn = draw_many(row, SamplingParams(temperature=1.0, top_k=20))
+    assert drawn <= allowed_top_k(row, 20)
+    assert len(drawn) > 10
+
+
+def test_top_p_stays_in_nucleus():
+    row = random_logits(1, seed=2)[0]
+    allowed = allowed_top_p(row, 0.8, 0.7)
+    drawn = draw_many(row, SamplingParams(temperature=0.8, top_p=0.7))
+    assert drawn <= allowed
+    assert len(drawn) > 1 and len(allowed) < V // 2
+
+
+def test_min_p_stays_above_threshold():
+    row = random_logits(1, seed=3)[0]
+    allowed = allowed_min_p(row, 1.2, 0.05)
+    drawn = draw_many(row, SamplingParams(temperature=1.2, min_p=0.05))
+    assert drawn <= allowed
+    assert len(drawn) > 1 and len(allowed) < V // 2
+
+
+def test_top_k_top_p_min_p_combined():
+    row = random_logits(1, seed=4, scale=1.5)[0]
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.02)
+    top_k = allowed_top_k(row, 50)
+    # top-p acts on the distribution top-k left; min-p is relative to the best token.
+    masked = torch.full_like(row, float("-inf"))
+    masked[list(top_k)] = row[list(top_k)]
+    allowed = top_k & allowed_top_p(masked, 0.9, 0.8) & allowed_min_p(row, 0.9, 0.02)
+    drawn = draw_many(row, params)
+    assert drawn <= allowed
+    assert len(drawn) > 1
+
+
+def test_filters_apply_per_row():
+    logits = random_logits(4, seed=5)
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(min_p=0.3),
+              SamplingParams()]
+    allowed = [allowed_top_k(logits[0], 3), allowed_top_p(logits[1], 1.0, 0.5),
+               allowed_min_p(logits[2], 1.0, 0.3)]
+    copies = 300
+    out = sample(logits.repeat(copies, 1), params * copies, seed=7)
+    drawn = [set(out.token_ids[i::4].tolist()) for i in range(4)]
+    for i in range(3):
+        assert drawn[i] <= allowed[i]
+    assert not drawn[3] <= allowed_top_p(logits[3], 1.0, 0.5)  # the unfiltered row roams
+
+
+# ---------------------------------------------------------------- distribution
+
+# 99.9th percentile of the chi-square distribution with 7 degrees of freedom.
+CHI2_7_999 = 24.32
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
+def test_temperature_frequencies_match_softmax(temperature):
+    draws = 20000
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 1.5, 0.2])
+    out = sample(row.expand(draws, -1).contiguous(), [SamplingParams(temperature=temperature)] * draws,
+                 seed=11)
+    observed = torch.bincount(out.token_ids, minlength=8).double()
+    expected = (row.double() / temperature).softmax(dim=0) * draws
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_7_999
+
+
+def test_shared_seed_reproduces():
+    logits = random_logits(32)
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 32
+    assert torch.equal(sample(logits, params, seed=5).token_ids, sample(logits, params, seed=5).token_ids)
+
+
+# ---------------------------------------------------------------- seeded requests
+
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, seed=1234),
+          SamplingParams(temperature=1.1, top_k=40, seed=1234),
+          SamplingParams(temperature=0.8, min_p=0.05, seed=99),
+          SamplingParams(seed=0, frequency_penalty=0.5)]
+
+
+@pytest.mark.parametrize("seeded", SEEDED, ids=["top_p", "top_k", "min_p", "penalty"])
+def test_seeded_row_is_independent_of_the_batch(seeded):
+    steps, others = 20, 7
+    logits = random_logits(steps, scale=1.0, seed=9)
+
+    alone_gen = request_generator(seeded)
+    alone_sampler = Sampler(0)
+    alone_batch = SamplingBatch.build([seeded], [alone_gen], prompt_ids=[[1, 2, 3]], output_ids=[[4, 5, 4]])
+    alone = [int(alone_sampler(logits[s:s + 1].clone(), alone_batch).token_ids[0]) for s in range(steps)]
+
+    pick = torch.Generator().manual_seed(99)
+    other_params = [SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=0.0),
+                    SamplingParams(min_p=0.1, seed=7), SamplingParams(top_p=0.5),
+                    SamplingParams(temperature=0.7, presence_penalty=1.0, repetition_penalty=1.2),
+                    SamplingParams(logprobs=3), SamplingParams(temperature=2.0, seed=5, top_k=100)]
+    other_gens = [request_generator(p) for p in other_params]
+    in_batch_gen = request_generator(seeded)
+    batch_sampler = Sampler(123)
+    in_batch = []
+    for s in range(steps):
+        index = int(torch.randint(0, others + 1, (1,), generator=pick))
+        params = other_params[:index] + [seeded] + other_params[index:]
+        gens = other_gens[:index] + [in_batch_gen] + other_gens[index:]
+        rows = random_logits(others + 1, scale=1.0, seed=100 + s)
+        rows[index] = logits[s]
+        batch = SamplingBatch.build(params, gens, prompt_ids=[[1, 2, 3]] * (others + 1),
+                                    output_ids=[[4, 5, 4]] * (others + 1))
+        in_batch.append(int(batch_sampler(rows, batch).token_ids[index]))
+
+    assert in_batch == alone
+    assert len(set(alone)) > 1
+
+
+def test_seeded_rows_differ_by_seed():
+    logits = random_logits(1, scale=0.1)
+    tokens = []
+    for seed in (1, 2):
+        p = SamplingParams(seed=seed)
+        batch = SamplingBatch.build([p], [request_generator(p)])
+        sampler = Sampler(0)
+        tokens.append([int(sampler(logits.clone(), batch).token_ids[0]) for _ in range(10)])
+    assert tokens[0] != tokens[1]
+
+
+# ---------------------------------------------------------------- penalties
+
+def reference_penalties(logits, prompt, output, presence, frequency, repetition):
+    out = logits.clone()
+    for i in range(out.shape[0]):
+        for t in set(prompt[i]) | set(output[i]):
+            value = out[i, t]
+            out[i, t] = value / repetition[i] if value > 0 else value * repetition[i]
+        for t in set(output[i]):
+            out[i, t] -= frequency[i] * output[i].count(t) + presence[i]
+    return out
+
+
+def test_penalties_follow_the_formulas():
+    logits = random_logits(3, vocab=50, seed=6)
+    prompt = [[1, 2, 2, 10], [], [7, 8]]
+    output = [[2, 3, 3, 3, 40], [5, 5], []]
+    presence, frequency, repetition = [0.5, -1.0, 2.0], [0.25, 1.5, -2.0], [1.3, 0.7, 2.0]
+    got = logits.clone()
+    apply_penalties(got, prompt, output, torch.tensor(presence), torch.tensor(frequency),
+                    torch.tensor(repetition))
+    expected = reference_penalties(logits, prompt, output, presence, frequency, repetition)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(got[:, 20:40], logits[:, 20:40])  # unseen tokens are untouched
+    assert got[0, 10] != logits[0, 10]  # repetition covers prompt tokens
+    assert got[2, 7] != logits[2, 7]
+
+
+def test_penalties_in_sampler_apply_to_their_rows_only():
+    logits = torch.zeros(3, 20)
+    logits[:, 4] = 2.0
+    logits[:, 9] = 1.0
+    params = [SamplingParams(temperature=0.0, repetition_penalty=3.0),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, frequency_penalty=0.4)]
+    # row 0: 2.0 / 3 < 1.0; row 2: 2.0 - 3 * 0.4 < 1.0; row 1 has no penalty.
+    out = sample(logits, params, prompt_ids=[[4], [4], [4]], output_ids=[[], [4, 4, 4], [4, 4, 4]])
+    assert out.token_ids.tolist() == [9, 4, 9]
+
+
+def test_presence_penalty_in_sampler():
+    logits = torch.zeros(1, 20)
+    logits[0, 4] = 2.0
+    logits[0, 9] = 1.5
+    params = [SamplingParams(temperature=0.0, presence_penalty=0.6)]
+    assert sample(logits, params, output_ids=[[4, 4, 4, 4]]).token_ids.tolist() == [9]
+    assert sample(logits, params, output_ids=[[]]).token_ids.tolist() == [4]
+
+
+# ---------------------------------------------------------------- banned ids
+
+def test_banned_ids_never_sampled():
+    logits = random_logits(1, seed=8)[0]
+    banned = logits.topk(5).indices.tolist() + [V + 10]  # out-of-vocabulary ids are ignored
+    greedy = sample(logits.unsqueeze(0), [SamplingParams(temperature=0.0)], banned=[banned])
+    rest = logits.clone()
+    rest[banned[:5]] = float("-inf")
+    assert int(greedy.token_ids[0]) == int(rest.argmax())
+    out = sample(logits.expand(DRAWS, -1).contiguous(), [SamplingParams(temperature=1.0)] * DRAWS,
+                 banned=[banned] * DRAWS)
+    assert not set(out.token_ids.tolist()) & set(banned)
+
+
+def test_apply_banned_per_row():
+    logits = torch.zeros(2, 6)
+    apply_banned(logits, [[1, 5], []])
+    assert logits[0].isneginf().nonzero().squeeze(1).tolist() == [1, 5]
+    assert not logits[1].isneginf().any()
+
+
+# ---------------------------------------------------------------- logprobs
+
+def test_logprobs_are_of_raw_logits():
+    logits = random_logits(5, seed=10)
+    params = [SamplingParams(temperature=0.7, logprobs=3, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, logprobs=0),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.2, top_k=10, logprobs=5, frequency_penalty=1.0),
+              SamplingParams(temperature=0.0, logprobs=1, presence_penalty=2.0)]
+    out = sample(logits, params, prompt_ids=[[0, 1]] * 5, output_ids=[[2, 3, 3]] * 5)
+    raw = logits.log_softmax(dim=1)
+    asked = [0, 1, 3, 4]
+
+    assert out.top_logprobs.shape == (5, 5) and out.top_token_ids.shape == (5, 5)
+    chosen = raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(out.logprobs[asked], chosen[asked])
+    assert out.logprobs[2].isnan() and (out.top_token_ids[2] == -1).all()
+
+    for i in asked:
+        k = params[i].logprobs
+        top_lp, top_ids = out.top_logprobs[i, :k], out.top_token_ids[i, :k]
+        assert torch.equal(top_ids, raw[i].topk(k).indices)
+        torch.testing.assert_close(top_lp, raw[i, top_ids])
+        assert torch.all(top_lp[:-1] >= top_lp[1:])
+        if k:
+            assert out.logprobs[i] <= top_lp[0]
+    # Probabilities from the logprobs add up over the whole vocabulary.
+    torch.testing.assert_close(raw.exp().sum(dim=1), torch.ones(5))
