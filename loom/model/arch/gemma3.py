@@ -1,0 +1,103 @@
+"""Gemma 3 (text): GQA with q/k RMSNorm, 5 sliding-window layers to 1 global, per-kind RoPE
+bases, pre- and post-norms around attention and MLP, GeGLU MLP, scaled tied embeddings.
+
+    h = embed(ids) * sqrt(D)
+    for each layer (local: window W, base 10k; global: full, base 1M):
+        q, k, v = split(qkv_proj(rmsnorm(h)));  q, k = rope(rmsnorm_head(q)), rope(rmsnorm_head(k))
+        h = h + post_attn_norm(o_proj(attn(q, k, v)))
+        h = h + post_ffw_norm(down(gelu_tanh(gate) * up))   gate, up = split(gate_up(rmsnorm(h)))
+    logits = embed^T(rmsnorm(h))
+
+GGUF files store Gemma's RMSNorm weights already offset (w + 1), so every norm here is a
+plain multiply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loom.model.config import ModelConfig
+from loom.model.layers.attention import AttentionMetadata, paged_attention
+from loom.model.layers.linear import LinearBackend, make_linear
+from loom.model.layers.norm import rms_norm
+from loom.model.layers.rope import RotaryEmbedding, apply_rope
+from loom.model.weights import GGUFWeights
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Gemma3Layer:
+    sliding: bool
+    attn_norm: torch.Tensor
+    qkv: LinearBackend
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: LinearBackend
+    post_attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: LinearBackend
+    down: LinearBackend
+    post_ffn_norm: torch.Tensor
+
+
+class Gemma3ForCausalLM:
+    def __init__(self, cfg: ModelConfig, w: GGUFWeights, dtype: torch.dtype = torch.float32,
+                 linear: str = "dense"):
+        self.cfg, self.dtype = cfg, dtype
+        D, H, Hkv, Dh, F_ = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        embed = w.get("token_embd.weight", (cfg.vocab_size, D))              # [V, D]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            qkv = torch.cat([w.get(p + "attn_q.weight", (H * Dh, D)), w.get(p + "attn_k.weight", (Hkv * Dh, D)),
+                             w.get(p + "attn_v.weight", (Hkv * Dh, D))])
+            gate_up = torch.cat([w.get(p + "ffn_gate.weight", (F_, D)), w.get(p + "ffn_up.weight", (F_, D))])
+            self.layers.append(Gemma3Layer(
+                sliding=cfg.is_sliding(i),
+                attn_norm=w.get(p + "attn_norm.weight", (D,)),
+                qkv=make_linear(qkv, linear, dtype=dtype),
+                q_norm=w.get(p + "attn_q_norm.weight", (Dh,)),
+                k_norm=w.get(p + "attn_k_norm.weight", (Dh,)),
+                o=make_linear(w.get(p + "attn_output.weight", (D, H * Dh)), linear, dtype=dtype),
+                post_attn_norm=w.get(p + "post_attention_norm.weight", (D,)),
+                ffn_norm=w.get(p + "ffn_norm.weight", (D,)),
+                gate_up=make_linear(gate_up, linear, dtype=dtype),
+                down=make_linear(w.get(p + "ffn_down.weight", (D, F_)), linear, dtype=dtype),
+                post_ffn_norm=w.get(p + "post_ffw_norm.weight", (D,)),
+            ))
+        self.norm = w.get("output_norm.weight", (D,))
+        head = embed if cfg.tie_embeddings else w.get("output.weight", (cfg.vocab_size, D))
+        self.lm_head = make_linear(head, linear, dtype=dtype)
+        self.embed = embed.to(dtype)
+        self.embed_scale = torch.tensor(D ** 0.5, dtype=dtype)
+        self.rope_global = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
+        self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids, positions: [T]; returns final hidden states [T, D] (after the output norm)."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        T, H, Hkv, Dh = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = self.embed[input_ids] * self.embed_scale                       # [T, D]
+        rope = {True: self.rope_local.tables(positions, self.dtype),
+                False: self.rope_global.tables(positions, self.dtype)}     # [T, 1, Dh/2] each
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            cos, sin = rope[layer.sliding]
+            qkv = layer.qkv(rms_norm(h, layer.attn_norm, eps))             # [T, (H + 2Hkv) * Dh]
+            q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+            q = apply_rope(rms_norm(q.view(T, H, Dh), layer.q_norm, eps), cos, sin)    # [T, H, Dh]
+            k = apply_rope(rms_norm(k.view(T, Hkv, Dh), layer.k_norm, eps), cos, sin)  # [T, Hkv, Dh]
+            window = cfg.sliding_window if layer.sliding else None
+            o = paged_attention(q, k, v.view(T, Hkv, Dh), k_cache, v_cache, meta, cfg.attn_scale, window)
+            h = h + rms_norm(layer.o(o), layer.post_attn_norm, eps)
+            gate, up = layer.gate_up(rms_norm(h, layer.ffn_norm, eps)).chunk(2, dim=-1)
+            h = h + rms_norm(layer.down(F.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm, eps)
+        return rms_norm(h, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,120 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It owns the model, the paged KV cache tensors and the per-request sampling state
+(parameters, seeded generator, output ids for penalties). It builds the flat batch:
+
+    input_ids    | seq0 new tokens | seq1 new tokens | ... |      [T]
+    positions    | s0 .. s0+n0-1   | s1 .. s1+n1-1   | ... |      [T]
+    slot_mapping | cache slot of each new token's K/V        |      [T]
+    kv_slots[s]  | slots of positions 0 .. context_s - 1     |      per sequence
+
+and computes logits only for the rows it samples (the last new token of a sequence
+whose grant reaches its end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.engine.scheduler import RunnerOutput, SchedulerOutput, TokenLogprobs
+from loom.model.layers.attention import AttentionMetadata
+from loom.sample.sampler import Sampler, SamplingBatch, request_generator
+from loom.sampling_params import SamplingParams
+
+
+@dataclass
+class _ReqState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    generator: torch.Generator | None
+    banned_until_min: tuple[int, ...]        # ids banned while output < min_tokens
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, stop_token_ids: frozenset[int],
+                 kv_dtype: torch.dtype = torch.float32, seed: int = 0):
+        cfg = model.cfg
+        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.vocab_size = cfg.vocab_size
+        self.stop_token_ids = stop_token_ids
+        slots = num_blocks * block_size
+        # torch.empty: pages are touched only when written, so a large budget costs nothing up front
+        self.kv_caches = [(torch.empty(slots, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype),
+                           torch.empty(slots, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype))
+                          for _ in range(cfg.num_layers)]
+        self.sampler = Sampler(seed)
+        self.states: dict[str, _ReqState] = {}
+
+    @staticmethod
+    def kv_bytes_per_token(cfg, kv_dtype: torch.dtype = torch.float32) -> int:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(kv_dtype).bits // 8
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for rid in out.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in out.new_requests:
+            p = new.params
+            banned = () if p.min_tokens == 0 else tuple(sorted(
+                set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.stop_token_ids))))
+            self.states[new.req_id] = _ReqState(p, new.prompt_token_ids, request_generator(p), banned)
+        if not out.seqs:
+            return RunnerOutput({})
+        self._copy_blocks(out.block_copies)
+        input_ids, positions, meta = self._prepare(out)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)      # [T, D]
+        sample_seqs = [i for i, s in enumerate(out.seqs) if s.sample]
+        if not sample_seqs:
+            return RunnerOutput({})
+        rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in sample_seqs])
+        logits = self.model.compute_logits(hidden[rows])                             # [S, V]
+        return self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for src, dst in copies:
+            for k, v in self.kv_caches:
+                k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
+                v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids, pos, query_lens, ctx_lens, kv_slots = [], [], [], [], []
+        offsets = torch.arange(bs)
+        for s in out.seqs:
+            n, ctx = len(s.token_ids), s.start_pos + len(s.token_ids)
+            ids += s.token_ids
+            pos.append(torch.arange(s.start_pos, ctx))
+            table = torch.tensor(s.block_table[:(ctx + bs - 1) // bs], dtype=torch.int64)
+            kv_slots.append((table[:, None] * bs + offsets).flatten()[:ctx])   # [ctx]
+            query_lens.append(n)
+            ctx_lens.append(ctx)
+        positions = torch.cat(pos)
+        slot_mapping = torch.cat([sl[-n:] for sl, n in zip(kv_slots, query_lens)])
+        meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots)
+        return torch.tensor(ids, dtype=torch.int64), positions, meta
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
+        states = [self.states[r] for r in req_ids]
+        batch = SamplingBatch.build(
+            [st.params for st in states],
+            generators=[st.generator for st in states],
+            prompt_ids=[st.prompt_token_ids for st in states],
+            output_ids=[st.output_token_ids for st in states],
+            banned=[st.banned_until_min if len(st.output_token_ids) < st.params.min_tokens else ()
+                    for st in states],
+        )
+        res = self.sampler(logits, batch)
+        tokens = res.token_ids.tolist()
+        sampled, logprobs = {}, {}
+        for i, (rid, st, tok) in enumerate(zip(req_ids, states, tokens)):
+            st.output_token_ids.append(tok)
+            sampled[rid] = [tok]
+            k = st.params.logprobs
+            if k is not None and res.logprobs is not None:
+                top = list(zip(res.top_token_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
+                logprobs[rid] = [TokenLogprobs(float(res.logprobs[i]), top)]
+        return RunnerOutput(sampled, logprobs)
