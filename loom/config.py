@@ -1,0 +1,104 @@
+"""Engine configuration: one frozen dataclass per component, composed into `EngineConfig`.
+
+Each validates itself on construction and raises `InvalidRequestError` (a `ValueError`)
+naming the field, so a bad flag fails at start-up with a clear message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _bad(name: str, value, allowed: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} must be {allowed}, got {value!r}")
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # psutil missing or unable to tell
+        n = None
+    return n or os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str = "smollm2-135m"  # a registry name or a path to a .gguf file
+    dtype: str = "float32"       # activation/weight dtype; float32 is the exact (reference) mode
+    threads: int | None = None   # torch intra-op threads; None = physical core count
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise _bad("dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise _bad("threads", self.threads, "a positive integer")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = a share of free RAM
+    num_blocks: int | None = None       # overrides kv_cache_memory (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise _bad("block_size", self.block_size, "an integer in [1, 1024]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise _bad("kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise _bad("num_blocks", self.num_blocks, "a positive integer")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64             # sequences running at once
+    max_model_len: int | None = None   # context limit; None = the model's
+    max_waiting: int | None = None     # bounded waiting queue (server back-pressure); None = unbounded
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1:
+            raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
+            raise _bad("max_num_seqs", self.max_num_seqs, "in [1, max_num_batched_tokens]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise _bad("max_model_len", self.max_model_len, ">= 2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0  # seeds the shared generator used by unseeded sampling
+
+    @classmethod
+    def create(cls, model: str = "smollm2-135m", **kwargs) -> "EngineConfig":
+        """Flat keyword form (as `LLM(...)` and the CLI take them) -> the nested config."""
+        parts = {"load": {"model": model}, "cache": {}, "scheduler": {}}
+        owners = {name: part for part, klass in (("load", LoadConfig), ("cache", CacheConfig),
+                                                 ("scheduler", SchedulerConfig))
+                  for name in klass.__dataclass_fields__}
+        seed = kwargs.pop("seed", 0)
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise InvalidRequestError(f"unknown engine option '{key}' "
+                                          f"(known: {', '.join(sorted(owners))}, seed)")
+            if value is not None:
+                parts[owners[key]][key] = value
+        return cls(LoadConfig(**parts["load"]), CacheConfig(**parts["cache"]),
+                   SchedulerConfig(**parts["scheduler"]), seed)

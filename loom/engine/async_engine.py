@@ -1,0 +1,119 @@
+"""AsyncEngine: the Engine stepped by a background thread, with per-request async streams.
+
+torch releases the GIL inside its kernels, so one engine thread keeps the CPU busy
+while the asyncio loop serves HTTP. A lock makes `add_request` / `abort` atomic with
+respect to `step()`; a request's outputs reach its consumer through an asyncio.Queue.
+
+Contract of `generate`: yields RequestOutputs (cumulative text plus deltas) until one
+has `finished`; if the consumer stops early (client disconnect, cancellation), the
+request is aborted and its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator
+
+from loom.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(Engine(config))
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="loom-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- requests ----------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; raises InvalidRequestError at once for bad input."""
+        self.start()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            rid = self.engine.add_request(prompt, params, request_id, priority)
+            self._queues[rid] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request and frees its blocks; its stream (if any) gets a final 'abort' output."""
+        with self._lock:
+            out = self.engine.abort(request_id)
+        entry = self._queues.pop(request_id, None)
+        if entry is not None and out is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def snapshot(self, fn):
+        """Runs fn(engine) under the engine lock (consistent stats for metrics endpoints)."""
+        with self._lock:
+            return fn(self.engine)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._lock:
+                busy = self.engine.has_unfinished_requests()
+                if busy:
+                    try:
+                        outs = self.engine.step()
+                    except BaseException as e:  # a bug: fail every stream instead of hanging them
+                        self.error = e
+                        self._fail_all(e)
+                        raise
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            for out in outs:
+                entry = self._queues.get(out.request_id)
+                if entry is not None:
+                    loop, queue = entry
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for loop, queue in list(self._queues.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine failed: {e!r}"))
+

@@ -1,0 +1,99 @@
+"""Per-request text output: incremental detokenization, stop strings, logprob layout.
+
+Stop strings are never split across stream chunks: text that could still be the start
+of a stop string is held back until the next tokens decide it.
+
+    emitted | held back (a prefix of some stop string) | <- new delta from detokenizer
+"""
+
+from __future__ import annotations
+
+from loom.engine.request import Request, RequestStatus
+from loom.engine.scheduler import TokenLogprobs
+from loom.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from loom.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputState:
+    def __init__(self, req: Request, tokenizer: Tokenizer, index: int = 0):
+        self.req, self.tokenizer, self.index = req, tokenizer, index
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
+                                            skip_special_tokens=req.params.skip_special_tokens)
+        self.stops = req.params.stop
+        self.max_stop = max((len(s) for s in self.stops), default=0)
+        self.text = ""        # emitted so far
+        self.pending = ""     # decoded but held back
+        self.num_tokens_seen = 0
+        self.num_tokens_emitted = 0
+        self.stopped_by_string = False
+
+    def process(self) -> RequestOutput:
+        """Consumes the request's new tokens; returns its output with the deltas since the last call.
+        Sets `stopped_by_string` when a stop string ended it (the caller finishes the request)."""
+        req = self.req
+        new_ids = req.output_token_ids[self.num_tokens_seen:]
+        self.num_tokens_seen = len(req.output_token_ids)
+        self.pending += self.detok.add(new_ids)
+        if req.status.finished:
+            self.pending += self.detok.flush()
+        if self.stops and not self.stopped_by_string:
+            self._check_stops()
+        hold = 0 if (req.status.finished or self.stopped_by_string) else self._partial_stop_len()
+        delta = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        self.text += delta
+        delta_ids = req.output_token_ids[self.num_tokens_emitted:]
+        self.num_tokens_emitted = len(req.output_token_ids)
+        return self._output(delta, delta_ids)
+
+    def _check_stops(self) -> None:
+        # Emitted text never holds the start of a stop string (it is held back), so a
+        # match can only begin inside `pending`.
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if not hits:
+            return
+        i, s = min(hits)
+        cut = i + (len(s) if self.req.params.include_stop_str_in_output else 0)
+        self.pending = self.pending[:cut]
+        self.stopped_by_string = True
+        self.req.stop_reason = s
+        self.req.status = RequestStatus.FINISHED_STOPPED
+
+    def _partial_stop_len(self) -> int:
+        """Longest tail of text+pending that is a proper prefix of a stop string (bounded by pending)."""
+        if not self.stops:
+            return 0
+        for n in range(min(self.max_stop - 1, len(self.pending)), 0, -1):
+            if any(s.startswith(self.pending[-n:]) for s in self.stops):
+                return n
+        return 0
+
+    def _output(self, delta: str, delta_ids: list[int]) -> RequestOutput:
+        req = self.req
+        finished = req.status.finished
+        completion = CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+        )
+        req.metrics.num_cached_tokens = req.num_cached_tokens
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
+                             finished, req.metrics, req.num_cached_tokens)
+
+    def add_logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> None:
+        """Appends vLLM-layout logprobs: per token {id: Logprob}, the sampled token always present."""
+        if self.req.logprobs is None:
+            return
+        for e, tok in zip(entries, token_ids):
+            d: dict[int, Logprob] = {}
+            for rank, (tid, lp) in enumerate(e.top, start=1):
+                d[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+            if tok not in d:
+                d = {tok: Logprob(e.logprob, None, self.tokenizer.decode([tok])), **d}
+            self.req.logprobs.append(d)

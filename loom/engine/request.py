@@ -1,0 +1,89 @@
+"""A request's state inside the engine (never crosses into the runner)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from loom.outputs import RequestMetrics, SampleLogprobs
+from loom.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """Token bookkeeping of one sequence.
+
+        all_token_ids: | prompt ............ | output ....... |
+                       0                     num_prompt       num_tokens
+        computed:      |<-- num_computed_tokens -->|  (KV in the cache)
+
+    Each step the scheduler grants `num_tokens - num_computed_tokens` (or a chunk of it)
+    new tokens; a token is sampled when the grant reaches `num_tokens`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                      # resolved against the context limit
+    prompt: str | None = None
+    priority: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_seq: int = field(default_factory=lambda: next(_arrival))
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0           # prompt tokens served by the prefix cache at admission
+    num_preemptions: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+
+    def __post_init__(self):
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token left to compute (a prompt, or a recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority (lower value = more urgent, as in vLLM), then arrival."""
+        return (self.priority, self.arrival_seq)

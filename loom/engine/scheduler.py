@@ -1,0 +1,255 @@
+"""Iteration-level scheduler: hands out token counts under a per-step budget.
+
+Each step:
+  1. running requests in decode (one token left) are granted first, so a long prompt
+     never stalls them (Sarathi-Serve); then running prefills get chunks;
+  2. waiting requests are admitted in priority/FCFS order while budget, sequence slots
+     and KV blocks last; an admitted prompt first reuses its longest cached prefix;
+  3. when a running request cannot get blocks, the least urgent running request
+     (highest priority value, latest arrival) is preempted: its blocks are freed and it
+     goes back to waiting to be recomputed later.
+
+Prefill chunks, decodes and prefix hits are one code path: a request is granted
+`min(num_tokens - num_computed_tokens, budget)` tokens; a token is sampled when the grant
+reaches the end of its known tokens. `update` applies the runner's sampled tokens and
+finishes requests on EOS / stop token / length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from loom.config import CacheConfig, SchedulerConfig
+from loom.engine.request import Request, RequestStatus
+from loom.kv.manager import KVCacheManager
+from loom.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent to the runner the first time it sees a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    req_id: str
+    token_ids: list[int]     # tokens to compute this step, at positions start_pos...
+    start_pos: int           # = num_computed_tokens before the step
+    block_table: list[int]
+    sample: bool             # sample a token from the logits of the last one
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float                       # of the sampled token
+    top: list[tuple[int, float]]         # (token id, logprob), most probable first
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, list[int]]                        # req_id -> new tokens
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0  # cumulative
+    prompt_tokens: int = 0    # cumulative, computed (not cached) prompt tokens
+    generation_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int):
+        self.config = sched
+        self.block_size = cache.block_size
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seen_by_runner: set[str] = set()
+        self._finished_since_last: list[str] = []
+        self.stats = SchedulerStats()
+
+    # -- requests in and out --------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (abort, stop string, ...): frees its blocks at once."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        req.metrics.finished_time = time.monotonic()
+        self.kv.free(req_id)
+        if req_id in self._seen_by_runner:
+            self._seen_by_runner.discard(req_id)
+            self._finished_since_last.append(req_id)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        grants: dict[str, int] = {}
+        copies: list[tuple[int, int]] = []
+        preempted: list[str] = []
+        # decodes first, then prefill chunks; each in priority/FCFS order
+        for req in sorted(self.running, key=lambda r: (r.is_prefill, r.sort_key())):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            alloc = self._allocate_or_preempt(req, n, grants, preempted)
+            if alloc is None:
+                continue
+            copies += alloc.copies
+            grants[req.request_id] = n
+            budget -= n
+        if not preempted:
+            budget = self._admit(budget, grants, copies)
+        return self._build_output(grants, copies, preempted)
+
+    def _allocate_or_preempt(self, req: Request, n: int, grants: dict[str, int], preempted: list[str]):
+        while True:
+            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n)
+            if alloc is not None:
+                return alloc
+            victims = [r for r in self.running if r.request_id not in grants]
+            victim = max(victims, key=Request.sort_key)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.append(req)
+
+    def _admit(self, budget: int, grants: dict[str, int], copies: list) -> int:
+        self.waiting.sort(key=Request.sort_key)
+        admitted = []
+        for req in self.waiting:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
+            n = min(req.num_tokens - hit.num_tokens, budget)
+            alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
+            if alloc is None:
+                self.kv.free(req.request_id)  # forget the lookup; retry next step
+                break
+            copies += alloc.copies
+            req.num_computed_tokens = hit.num_tokens
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = hit.num_tokens
+                req.metrics.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            grants[req.request_id] = n
+            budget -= n
+        self.waiting = [r for r in self.waiting if r not in admitted]
+        return budget
+
+    def _build_output(self, grants: dict[str, int], copies: list, preempted: list[str]) -> SchedulerOutput:
+        seqs, new = [], []
+        for req in self.running:
+            n = grants.get(req.request_id)
+            if not n:
+                continue
+            start = req.num_computed_tokens
+            if req.request_id not in self._seen_by_runner:
+                self._seen_by_runner.add(req.request_id)
+                new.append(NewRequestData(req.request_id, list(req.prompt_token_ids), req.params))
+            seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
+                                     self.kv.block_table(req.request_id), start + n == req.num_tokens))
+            if req.is_prefill:
+                self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
+        finished, self._finished_since_last = self._finished_since_last, []
+        return SchedulerOutput(seqs, new, finished, copies, preempted)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Applies a step's results; returns the requests that got tokens or finished."""
+        touched = []
+        now = time.monotonic()
+        for seq in out.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            tokens = result.sampled.get(seq.req_id)
+            if not tokens:
+                continue
+            lps = result.logprobs.get(seq.req_id)
+            for i, tok in enumerate(tokens):
+                req.append_token(tok)
+                self.stats.generation_tokens += 1
+                if lps is not None:
+                    req.cumulative_logprob += lps[i].logprob
+                if self._check_stop(req, tok):
+                    break
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            touched.append(req)
+        for req in touched:
+            if req.status.finished:
+                self.finish(req.request_id, req.status)
+        self._refresh_stats()
+        return touched
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
+            if tok in p.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _refresh_stats(self) -> None:
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.kv_usage = self.kv.usage()

@@ -1,0 +1,80 @@
+"""Offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loom.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.errors import InvalidRequestError
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+
+PROGRESS_MIN_PROMPTS = 8  # shorter batches finish before a bar is worth drawing
+
+
+class LLM:
+    """Runs prompts through the continuous-batching engine; outputs come back in input order.
+
+    Keyword options are those of the engine config: dtype, threads, block_size,
+    kv_cache_memory, num_blocks, enable_prefix_caching, max_num_batched_tokens,
+    max_num_seqs, max_model_len, seed.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **options):
+        self.engine = Engine(EngineConfig.create(model, **options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if prompt_token_ids is not None:
+            prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        if prompts is None:
+            raise InvalidRequestError("generate() needs prompts or prompt_token_ids")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_list(sampling_params, len(prompts))
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priority)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or a list of them, rendered with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [{"prompt": tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                    "prompt_token_ids": tok.encode_chat(c, add_generation_prompt=add_generation_prompt)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise InvalidRequestError(f"got {len(sp)} sampling params for {n} prompts")
+        return sp
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        show = use_tqdm and len(ids) >= PROGRESS_MIN_PROMPTS
+        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      disable=not show, transient=True) as bar:
+            task = bar.add_task("gen", total=len(ids))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.advance(task)
+        return [final[i] for i in ids]
