@@ -1,0 +1,511 @@
+"""The tokenizer a GGUF file describes, rebuilt as a `tokenizers.Tokenizer`.
+
+A GGUF file stores its vocabulary under llama.cpp's keys (``tokenizer.ggml.*``): the token
+strings, a type per token, merges (byte-level BPE) or scores (SentencePiece), the special token
+ids and usually a Jinja chat template. `Tokenizer.from_gguf` turns that into a fast tokenizer
+whose ids agree with transformers' tokenizer for the same file (transformers' GGUF conversion
+is the reference the tests check against):
+
+* ``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the file's merges, split by the
+  regex that belongs to ``tokenizer.ggml.pre`` (GPT-2's own when the value has no entry).
+* ``tokenizer.ggml.model == "llama"``: SentencePiece pieces as a BPE with byte fallback; the
+  merges are the file's, or derived from the vocabulary best-scoring first. Llama-style files
+  get a "▁" prefix on the first word; Gemma files get Gemma's layout: no prefix space, spaces
+  spelled "▁" by a normalizer, merge order = file order.
+
+Where transformers and llama.cpp read a file differently (see the notes at
+`PRE_TOKENIZER_SPLITS` and `_sentencepiece_backend`), loom follows transformers.
+
+Control tokens (type 3), the named bos/eos/unk/pad tokens and user-defined tokens (type 4) are
+matched whole wherever they occur in text; only the first two kinds count as special (dropped by
+``decode(..., skip_special_tokens=True)``), user-defined ones decode as ordinary text.
+
+`IncrementalDetokenizer` turns a stream of generated ids into text deltas that never split a
+UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+from tokenizers.models import BPE
+
+from loom.errors import ModelLoadError, TokenizerError
+from loom.loader.chat_template import ChatTemplate
+from loom.loader.gguf import GGUFFile
+
+# Token type codes of `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+SPIECE_SPACE = "\u2581"  # "▁": how SentencePiece vocabularies spell a space
+
+# Architectures whose 'llama' (SentencePiece) vocabulary follows Gemma's layout, as transformers
+# treats them: no prefix space, spaces normalized to "▁", merges in file order.
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+
+# Pre-tokenizer splits per `tokenizer.ggml.pre`, for byte-level vocabularies. A value without an
+# entry gets GPT-2's split (ByteLevel's built-in regex). The table follows transformers' GGUF
+# conversion so that ids agree with it.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Note on "smollm" (SmolLM/SmolLM2): llama.cpp and the model's own tokenizer.json isolate every
+# digit before GPT-2's split, so "\n\n1" becomes ["\n\n", "1"]. transformers' GGUF conversion
+# has no entry for it and uses GPT-2's split alone, giving ["\n", "\n", "1"]. loom follows
+# transformers; the two differ only where a run of 2+ whitespace characters precedes a digit
+# (the vocabulary has no token mixing digits with other characters).
+PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                     "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+
+# End-of-turn / end-of-generation tokens: generation stops at any of these present in the
+# vocabulary, in addition to the file's eos (and eot/eom ids when it names them).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>",
+    "<|end_of_text|>", "<|return|>", "<|call|>", "<EOT>", "<end_of_utterance>",
+    "<｜end▁of▁sentence｜>",
+)
+
+
+@lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet):
+    printable Latin-1 bytes stand for themselves, the other 68 take code points from 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table: dict[int, str] = {}
+    shifted = 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def merges_by_score(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary, best first.
+
+    Every split of a token into two pieces that are both in the vocabulary is a merge. Merges
+    are ranked by the token's score (higher first), then by longer left piece, then longer right
+    piece, then token position -- the ranking transformers uses, so both build the same BPE.
+    """
+    known = frozenset(tokens)
+    # One flat comprehension: this runs over every cut of every token (~1.5M for Gemma's 262k).
+    found = [(token[:cut], token[cut:], index) for index, token in enumerate(tokens)
+             for cut in range(1, len(token)) if token[:cut] in known and token[cut:] in known]
+    if not found:
+        return []
+    lefts, rights, owner = zip(*found)
+    owner_arr = np.asarray(owner, dtype=np.int64)
+    score = np.asarray(scores, dtype=np.float64)[owner_arr]
+    len_left = np.fromiter(map(len, lefts), dtype=np.int64, count=len(lefts))
+    len_right = np.fromiter(map(len, rights), dtype=np.int64, count=len(rights))
+    # np.lexsort: the last key is the primary one.
+    order = np.lexsort((owner_arr, -len_right, -len_left, -score))
+    return [(lefts[i], rights[i]) for i in order.tolist()]
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its special tokens and chat template.
+
+    Build with `Tokenizer.from_gguf`. `encode` adds BOS (when the model wants it) only with
+    ``add_special_tokens=True``; text that spells a control or user-defined token (for example
+    ``"<|im_start|>"``) encodes to that token's single id.
+    """
+
+    def __init__(self, backend: _Backend, *, name: str, vocab_size: int, bos_token_id: int | None,
+                 eos_token_id: int | None, pad_token_id: int | None, unk_token_id: int | None,
+                 add_bos: bool, add_eos: bool, stop_token_ids: frozenset[int],
+                 special_token_ids: frozenset[int], chat_template: str | None,
+                 named_tokens: dict[str, str] | None = None):
+        self._backend = backend
+        self.name = name
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.stop_token_ids = stop_token_ids
+        self.special_token_ids = special_token_ids
+        self.chat_template = chat_template
+        # Template variables: "bos_token", "eos_token", ... -> the token's text.
+        self.named_tokens = dict(named_tokens or {})
+        # A template that does not compile fails chat requests only, never plain prompts.
+        self._template: ChatTemplate | None = None
+        self._template_error: str | None = None
+        if chat_template is not None:
+            try:
+                self._template = ChatTemplate(chat_template, name)
+            except TokenizerError as e:
+                self._template_error = str(e)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+        """The tokenizer described by `f`'s ``tokenizer.*`` metadata.
+
+        Raises `ModelLoadError` when the vocabulary is missing, inconsistent or of a kind loom
+        does not support.
+        """
+        md = f.metadata
+        kind = md.get("tokenizer.ggml.model")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if not isinstance(kind, str):
+            raise ModelLoadError(f.path, "metadata has no 'tokenizer.ggml.model' (no tokenizer in the file)")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ModelLoadError(f.path, "metadata has no usable 'tokenizer.ggml.tokens'")
+        n = len(tokens)
+        types = _int_array(f, "tokenizer.ggml.token_type", n)
+        if types is None:
+            types = np.full(n, NORMAL, dtype=np.int64)
+        arch = str(md.get("general.architecture", ""))
+
+        if kind == "gpt2":
+            backend, spelled = _byte_level_backend(f, tokens)
+        elif kind == "llama":
+            layout = "gemma" if arch in _GEMMA_ARCHS else "phi3" if arch == "phi3" else "llama"
+            backend, spelled = _sentencepiece_backend(f, tokens, layout)
+        elif kind == "gemma4":
+            backend, spelled = _sentencepiece_backend(f, tokens, "gemma4")
+        else:
+            raise ModelLoadError(f.path, f"unsupported tokenizer type {kind!r} (loom reads 'gpt2' byte-level BPE "
+                                         "and 'llama' SentencePiece vocabularies)")
+
+        def token_id(key: str) -> int | None:
+            value = md.get(key)
+            if value is None:
+                return None
+            value = int(value)
+            if not 0 <= value < n:
+                raise ModelLoadError(f.path, f"'{key}' is {value}, outside the vocabulary of {n} tokens")
+            return value
+
+        bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+        unk, pad = token_id("tokenizer.ggml.unknown_token_id"), token_id("tokenizer.ggml.padding_token_id")
+
+        special = _register_added_tokens(backend, tokens, spelled, types, [bos, eos, unk, pad],
+                                         byte_level=kind == "gpt2")
+
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise; a
+        # byte-level one gets none by default. Gemma 4 files set the flag, but its reference
+        # tokenizer adds no BOS (the chat template writes it); transformers follows the
+        # reference, and so does loom.
+        add_bos = bool(md.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+        if kind == "gemma4":
+            add_bos = False
+        add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+
+        stops = {i for i in (eos, token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id"))
+                 if i is not None}
+        for text in END_OF_TURN_TOKENS:
+            i = backend.token_to_id(text)
+            if i is not None and i < n and int(types[i]) in (CONTROL, USER_DEFINED):
+                stops.add(i)
+
+        template = md.get("tokenizer.chat_template")
+        name = Path(f.path).name  # users know a model by its file (or registry) name
+        return cls(backend, name=str(name), vocab_size=n, bos_token_id=bos, eos_token_id=eos,
+                   pad_token_id=pad, unk_token_id=unk, add_bos=add_bos, add_eos=add_eos,
+                   stop_token_ids=frozenset(stops), special_token_ids=frozenset(special),
+                   chat_template=template if isinstance(template, str) and template else None,
+                   named_tokens={f"{k}_token": tokens[i] for k, i in
+                                 (("bos", bos), ("eos", eos), ("unk", unk), ("pad", pad)) if i is not None})
+
+    # -- text <-> ids ------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's flags say."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return self._frame(ids) if add_special_tokens else ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` for many texts at once (parallel inside the backend)."""
+        out = [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        return [self._frame(ids) for ids in out] if add_special_tokens else out
+
+    def _frame(self, ids: list[int]) -> list[int]:
+        if self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        if self.add_eos and self.eos_token_id is not None:
+            ids = [*ids, self.eos_token_id]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; bytes that do not form a complete UTF-8 character decode as U+FFFD.
+        Ids past the end of the vocabulary are ignored; negative ids raise `TokenizerError`."""
+        try:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except OverflowError:
+            raise TokenizerError(f"cannot decode negative token ids: {[i for i in ids if i < 0][:5]}") from None
+
+    def token_to_id(self, tok: str) -> int | None:
+        return self._backend.token_to_id(tok)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The token's vocabulary spelling (byte-level symbols like "Ġ", or "▁" for spaces)."""
+        return self._backend.id_to_token(i)
+
+    # -- chat --------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for a conversation, rendered by the model's own template.
+
+        `kwargs` become template variables (``tools``, ``documents``, ``enable_thinking``, ...).
+        Raises `TokenizerError` if the model has no template or the template rejects the input.
+        """
+        if self._template_error is not None:
+            raise TokenizerError(self._template_error)
+        if self._template is None:
+            raise TokenizerError(f"model {self.name!r} has no chat template (its GGUF file carries no "
+                                 "'tokenizer.chat_template'); send a plain text prompt instead of chat messages")
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     special_tokens=self.named_tokens, **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Ids of the rendered conversation; BOS is added only if the model wants one and the
+        template did not already write it."""
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+                          add_special_tokens=False)
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+
+# -- building the backend ------------------------------------------------------------------------
+def _int_array(f: GGUFFile, key: str, n: int) -> np.ndarray | None:
+    value = f.metadata.get(key)
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.ndim != 1 or len(arr) != n or not np.issubdtype(arr.dtype, np.number):
+        raise ModelLoadError(f.path, f"'{key}' should hold one number per token ({n}), "
+                                     f"found {arr.dtype} array of shape {arr.shape}")
+    return arr
+
+
+def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> tuple[_Backend, list[str]]:
+    """Byte-level BPE; returns the backend and each token's spelling in it."""
+    merges = f.metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not merges:
+        raise ModelLoadError(f.path, "byte-level BPE vocabulary without 'tokenizer.ggml.merges'")
+    table = byte_to_unicode()
+    alphabet = set(table.values())
+    # Tokens are stored in the byte alphabet; one that is not (a mislabeled added token) is
+    # respelled byte by byte, as transformers does, and stays an ordinary vocabulary entry.
+    spelled = [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    try:
+        pairs = [tuple(m.split(" ")) for m in merges]
+        model = BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                    end_of_word_suffix="", fuse_unk=False)
+    except Exception as e:  # the Rust side rejects merges of unknown tokens, malformed pairs
+        raise ModelLoadError(f.path, f"inconsistent BPE merges: {e}") from None
+    backend = _Backend(model)
+    split = PRE_TOKENIZER_SPLITS.get(str(f.metadata.get("tokenizer.ggml.pre", "")))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    return backend, spelled
+
+
+def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple[_Backend, list[str]]:
+    """SentencePiece pieces as a BPE with byte fallback (``<0xNN>`` tokens).
+
+    `layout` is how the model turns text into pieces and back (as transformers does it):
+    ``"llama"`` prepends "▁" to the first word and strips it when decoding; ``"phi3"`` does
+    the same with a normalizer; ``"gemma"`` and ``"gemma4"`` add no prefix and only spell
+    spaces as "▁".
+    """
+    md = f.metadata
+    n = len(tokens)
+    spelled = list(tokens)
+    if layout == "gemma":
+        # Gemma stores its multi-space tokens with real spaces, but text reaches the model with
+        # spaces already turned into "▁"; spell them that way so they can match.
+        spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    file_merges = md.get("tokenizer.ggml.merges")
+    if isinstance(file_merges, list) and file_merges:
+        merges = [tuple(m.split(" ")) for m in file_merges]
+    elif layout == "gemma":
+        # Gemma's scores do not follow its merge order; the order of tokens in the file does.
+        merges = merges_by_score(spelled, -np.arange(n, dtype=np.float64))
+    else:
+        scores = md.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != n:
+            raise ModelLoadError(f.path, "SentencePiece vocabulary with neither merges nor one "
+                                         "'tokenizer.ggml.scores' entry per token")
+        merges = merges_by_score(spelled, np.asarray(scores, dtype=np.float64))
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if layout in ("gemma", "gemma4") and unk_id is not None and 0 <= int(unk_id) < n else None
+    try:
+        model = BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, dropout=None, unk_token=unk,
+                    fuse_unk=True, byte_fallback=True)
+    except Exception as e:  # the Rust side rejects merges of unknown tokens, malformed pairs
+        raise ModelLoadError(f.path, f"inconsistent SentencePiece merges: {e}") from None
+    backend = _Backend(model)
+    pieces_to_text = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if layout in ("gemma", "gemma4"):
+        backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+        backend.decoder = decoders.Sequence(pieces_to_text)
+        return backend, spelled
+    # transformers prepends "▁" to the first word whatever 'tokenizer.ggml.add_space_prefix'
+    # says (llama.cpp honours the flag); loom follows transformers. Files that set it to false
+    # are Gemma's, handled above.
+    if layout == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE),
+                                                   normalizers.Replace(" ", SPIECE_SPACE)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_SPACE, prepend_scheme="first",
+                                                         split=False)
+    backend.decoder = decoders.Sequence([*pieces_to_text, decoders.Strip(content=" ", left=1, right=0)])
+    return backend, spelled
+
+
+def _register_added_tokens(backend: _Backend, tokens: list[str], spelled: list[str], types: np.ndarray,
+                           named: list[int | None], byte_level: bool) -> set[int]:
+    """Make control, named and user-defined tokens match whole in text; return the special ids.
+
+    Control tokens and the named bos/eos/unk/pad tokens become special (skippable when
+    decoding); user-defined tokens are matched whole but decode as text. A token whose stored
+    spelling had to be changed (a byte-level control token written outside the byte alphabet,
+    a Gemma run of spaces) stays an ordinary vocabulary entry, as in transformers.
+    """
+    alphabet = set(byte_to_unicode().values()) if byte_level else None
+
+    def whole(i: int) -> bool:
+        return tokens[i] == spelled[i] and (alphabet is None or set(tokens[i]) <= alphabet)
+
+    special_ids = [i for i in np.flatnonzero(types == CONTROL).tolist() if whole(i)]
+    listed = set(special_ids)
+    special_ids += [i for i in dict.fromkeys(named) if i is not None and i not in listed and whole(i)]
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_ids])
+    listed = set(special_ids)
+    user = [i for i in np.flatnonzero(types == USER_DEFINED).tolist() if i not in listed and tokens[i] == spelled[i]]
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    return set(special_ids)
+
+
+class IncrementalDetokenizer:
+    """Streaming decode of generated ids: each `add` returns only the text the new ids add.
+
+    A delta never ends inside a UTF-8 character: ids after the last point where the text is
+    whole (no trailing U+FFFD) are held back until a later id completes the character. Each
+    call decodes only a short window -- from where the previous delta's ids began -- so its
+    cost depends on the new and held ids, not on the length of the sequence.
+
+    The deltas (plus `flush`) concatenate to the text the generated ids add after the prompt,
+    ``decode(prompt + ids)[len(decode(prompt)):]``, which is ``decode(ids)`` for byte-level and
+    Gemma vocabularies. The prompt's last few ids give the first delta its context (a
+    SentencePiece word piece right after the prompt keeps its leading space).
+
+    Ids that never complete a character (invalid UTF-8 from the model) are released with
+    U+FFFD once `MAX_HELD` of them wait.
+    """
+
+    # Prompt ids kept as context for the first delta.
+    PROMPT_CONTEXT = 5
+    # How many ids may wait for a character to complete. A character has at most 4 bytes and
+    # real vocabularies complete one within a few ids; a longer wait means invalid bytes.
+    MAX_HELD = 16
+    # The window's consumed head is dropped from the backing list once it is this long.
+    _TRIM = 1024
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._chunks: list[str] = []
+        context = [int(t) for t in list(prompt_ids)[-self.PROMPT_CONTEXT:]]
+        # `_ids` backs the decode window: context, then generated ids (head trimmed).
+        # `_ids[_prefix:_read]` was emitted by the last delta; `_ids[_read:]` is held back, and
+        # every cut up to `_checked` is known to end inside a character.
+        self._ids: list[int] = context
+        self._prefix = 0
+        self._read = len(context)
+        self._checked = self._read
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append generated ids; return the newly completed text (possibly empty)."""
+        new = [int(t) for t in token_ids]
+        if not new:
+            return ""
+        self.token_ids.extend(new)
+        self._ids.extend(new)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Release whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _decode(self, end: int) -> str:
+        return self.tokenizer.decode(self._ids[self._prefix:end], self.skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        end = len(self._ids)
+        if self._read == end:
+            return ""
+        window = self._decode(end)
+        if not final and window.endswith("\ufffd"):
+            # Emit up to the last new id after which the text is whole, if there is one.
+            for cut in range(end - 1, self._checked, -1):
+                text = self._decode(cut)
+                if not text.endswith("\ufffd"):
+                    window, end = text, cut
+                    break
+            else:
+                self._checked = end
+                if end - self._read < self.MAX_HELD:
+                    return ""
+        delta = window[len(self._decode(self._read)):]
+        self._prefix, self._read = self._read, end
+        self._checked = end
+        if self._prefix >= self._TRIM:
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._checked -= self._prefix
+            self._prefix = 0
+        if delta:
+            self._chunks.append(delta)
+        return delta
