@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import torch
-
 from loom.errors import InvalidRequestError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype choice -> linear backend mode (loom.model.layers.linear). Activations, the residual
+# stream and the KV cache stay float32 in every mode.
+DTYPES = {
+    "float32": "exact",   # dense float32: bit-identical to the reference implementation
+    "bfloat16": "bf16",   # dense bfloat16 weights (oneDNN)
+    "auto": "auto",       # int4/int8 weight-only kernels at small batch, bf16 GEMM above
+}
 
 
 def _bad(name: str, value, allowed: str) -> InvalidRequestError:
@@ -33,7 +37,7 @@ def physical_cores() -> int:
 @dataclass(frozen=True)
 class LoadConfig:
     model: str = "smollm2-135m"  # a registry name or a path to a .gguf file
-    dtype: str = "float32"       # activation/weight dtype; float32 is the exact (reference) mode
+    dtype: str = "float32"       # "float32" (exact reference mode), "bfloat16" or "auto" (fastest)
     threads: int | None = None   # torch intra-op threads; None = physical core count
 
     def __post_init__(self):
@@ -43,7 +47,7 @@ class LoadConfig:
             raise _bad("threads", self.threads, "a positive integer")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def linear_mode(self) -> str:
         return DTYPES[self.dtype]
 
 

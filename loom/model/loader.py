@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-import torch
-
 from loom.errors import ModelLoadError
 from loom.loader.gguf import GGUFFile
 from loom.model.arch.gemma3 import Gemma3ForCausalLM
@@ -17,12 +15,15 @@ from loom.model.weights import GGUFWeights
 ARCHITECTURES: dict[str, Callable] = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}
 
 
-def load_model(path: str | os.PathLike | GGUFFile, dtype: torch.dtype = torch.float32, linear: str = "dense"):
-    """Returns the model (with `.cfg`, `.forward(...)`, `.compute_logits(...)`); raises ModelLoadError."""
+def load_model(path: str | os.PathLike | GGUFFile, linear: str = "exact"):
+    """Returns the model (with `.cfg`, `.forward(...)`, `.compute_logits(...)`); raises ModelLoadError.
+
+    `linear` picks the projection backend (see loom.model.layers.linear): "exact" is
+    dense float32, bit-identical to the reference implementation."""
     f = path if isinstance(path, GGUFFile) else GGUFFile.open(path)
     arch = f.architecture
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f.path, f"unsupported model architecture '{arch}' "
                                      f"(loom runs: {', '.join(ARCHITECTURES)})")
     cfg = ModelConfig.from_gguf(f)
-    return ARCHITECTURES[arch](cfg, GGUFWeights(f), dtype=dtype, linear=linear)
+    return ARCHITECTURES[arch](cfg, GGUFWeights(f), linear=linear)

@@ -118,3 +118,22 @@ class ModelRunner:
                 top = list(zip(res.top_token_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
                 logprobs[rid] = [TokenLogprobs(float(res.logprobs[i]), top)]
         return RunnerOutput(sampled, logprobs)
+
+
+@torch.inference_mode()
+def score(model, token_ids) -> torch.Tensor:
+    """Float32 logits [T, V] at every position of one sequence, computed in a single pass
+    over a private contiguous KV cache (slot i holds position i). Row t predicts token t+1;
+    used for reference checks and perplexity."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    T = ids.shape[0]
+    if T == 0:
+        raise ValueError("score() needs at least one token")
+    cfg = model.cfg
+    caches = [(torch.empty(T, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype),
+               torch.empty(T, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype))
+              for _ in range(cfg.num_layers)]
+    slots = torch.arange(T)
+    meta = AttentionMetadata.build(slots, [T], [T], [slots])
+    hidden = model.forward(ids, torch.arange(T), meta, caches)
+    return model.compute_logits(hidden)

@@ -24,7 +24,7 @@ from loom.model.layers.attention import AttentionMetadata, paged_attention
 from loom.model.layers.linear import LinearBackend, make_linear
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
-from loom.model.weights import GGUFWeights
+from loom.model.weights import GGUFWeights, LinearWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -45,35 +45,37 @@ class Gemma3Layer:
 
 
 class Gemma3ForCausalLM:
-    def __init__(self, cfg: ModelConfig, w: GGUFWeights, dtype: torch.dtype = torch.float32,
-                 linear: str = "dense"):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: ModelConfig, w: GGUFWeights, linear: str = "exact"):
+        """`linear`: a mode of loom.model.layers.linear (exact = dense float32)."""
+        self.cfg, self.dtype = cfg, torch.float32  # activations and the residual stream stay float32
         D, H, Hkv, Dh, F_ = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-        embed = w.get("token_embd.weight", (cfg.vocab_size, D))              # [V, D]
+        embed = w.linear("token_embd.weight", (cfg.vocab_size, D))           # [V, D]
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"blk.{i}."
-            qkv = torch.cat([w.get(p + "attn_q.weight", (H * Dh, D)), w.get(p + "attn_k.weight", (Hkv * Dh, D)),
-                             w.get(p + "attn_v.weight", (Hkv * Dh, D))])
-            gate_up = torch.cat([w.get(p + "ffn_gate.weight", (F_, D)), w.get(p + "ffn_up.weight", (F_, D))])
+            qkv = LinearWeight.cat([w.linear(p + "attn_q.weight", (H * Dh, D)),
+                                    w.linear(p + "attn_k.weight", (Hkv * Dh, D)),
+                                    w.linear(p + "attn_v.weight", (Hkv * Dh, D))])
+            gate_up = LinearWeight.cat([w.linear(p + "ffn_gate.weight", (F_, D)),
+                                        w.linear(p + "ffn_up.weight", (F_, D))])
             self.layers.append(Gemma3Layer(
                 sliding=cfg.is_sliding(i),
                 attn_norm=w.get(p + "attn_norm.weight", (D,)),
-                qkv=make_linear(qkv, linear, dtype=dtype),
+                qkv=make_linear(qkv, linear),
                 q_norm=w.get(p + "attn_q_norm.weight", (Dh,)),
                 k_norm=w.get(p + "attn_k_norm.weight", (Dh,)),
-                o=make_linear(w.get(p + "attn_output.weight", (D, H * Dh)), linear, dtype=dtype),
+                o=make_linear(w.linear(p + "attn_output.weight", (D, H * Dh)), linear),
                 post_attn_norm=w.get(p + "post_attention_norm.weight", (D,)),
                 ffn_norm=w.get(p + "ffn_norm.weight", (D,)),
-                gate_up=make_linear(gate_up, linear, dtype=dtype),
-                down=make_linear(w.get(p + "ffn_down.weight", (D, F_)), linear, dtype=dtype),
+                gate_up=make_linear(gate_up, linear),
+                down=make_linear(w.linear(p + "ffn_down.weight", (D, F_)), linear),
                 post_ffn_norm=w.get(p + "post_ffw_norm.weight", (D,)),
             ))
         self.norm = w.get("output_norm.weight", (D,))
-        head = embed if cfg.tie_embeddings else w.get("output.weight", (cfg.vocab_size, D))
-        self.lm_head = make_linear(head, linear, dtype=dtype)
-        self.embed = embed.to(dtype)
-        self.embed_scale = torch.tensor(D ** 0.5, dtype=dtype)
+        head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
+        self.lm_head = make_linear(head, linear)
+        self.embed = embed.dense
+        self.embed_scale = torch.tensor(D ** 0.5, dtype=torch.float32)
         self.rope_global = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
 
@@ -84,7 +86,7 @@ class Gemma3ForCausalLM:
         T, H, Hkv, Dh = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed[input_ids] * self.embed_scale                       # [T, D]
         rope = {True: self.rope_local.tables(positions, self.dtype),
-                False: self.rope_global.tables(positions, self.dtype)}     # [T, 1, Dh/2] each
+                False: self.rope_global.tables(positions, self.dtype)}     # [T, 1, Dh] each
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos, sin = rope[layer.sliding]
             qkv = layer.qkv(rms_norm(h, layer.attn_norm, eps))             # [T, (H + 2Hkv) * Dh]

@@ -19,7 +19,7 @@ from loom.model.layers.attention import AttentionMetadata, paged_attention
 from loom.model.layers.linear import LinearBackend, make_linear
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
-from loom.model.weights import GGUFWeights
+from loom.model.weights import GGUFWeights, LinearWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([slots, Hkv, D], [slots, Hkv, D]) for one layer
 
@@ -35,31 +35,32 @@ class LlamaLayer:
 
 
 class LlamaForCausalLM:
-    def __init__(self, cfg: ModelConfig, w: GGUFWeights, dtype: torch.dtype = torch.float32,
-                 linear: str = "dense"):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, cfg: ModelConfig, w: GGUFWeights, linear: str = "exact"):
+        """`linear`: a mode of loom.model.layers.linear (exact = dense float32)."""
+        self.cfg, self.dtype = cfg, torch.float32  # activations and the residual stream stay float32
         D, H, Hkv, Dh, F_ = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-        self.embed = w.get("token_embd.weight", (cfg.vocab_size, D))           # [V, D]
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"blk.{i}."
-            q = w.get_unpermuted(p + "attn_q.weight", H, (H * Dh, D))
-            k = w.get_unpermuted(p + "attn_k.weight", Hkv, (Hkv * Dh, D))
-            v = w.get(p + "attn_v.weight", (Hkv * Dh, D))
+            qkv = LinearWeight.cat([w.linear(p + "attn_q.weight", (H * Dh, D), unpermute_heads=H),
+                                    w.linear(p + "attn_k.weight", (Hkv * Dh, D), unpermute_heads=Hkv),
+                                    w.linear(p + "attn_v.weight", (Hkv * Dh, D))])
+            gate_up = LinearWeight.cat([w.linear(p + "ffn_gate.weight", (F_, D)),
+                                        w.linear(p + "ffn_up.weight", (F_, D))])
             self.layers.append(LlamaLayer(
                 attn_norm=w.get(p + "attn_norm.weight", (D,)),
-                qkv=make_linear(torch.cat([q, k, v]), linear, dtype=dtype),
-                o=make_linear(w.get(p + "attn_output.weight", (D, H * Dh)), linear, dtype=dtype),
+                qkv=make_linear(qkv, linear),
+                o=make_linear(w.linear(p + "attn_output.weight", (D, H * Dh)), linear),
                 ffn_norm=w.get(p + "ffn_norm.weight", (D,)),
-                gate_up=make_linear(torch.cat([w.get(p + "ffn_gate.weight", (F_, D)),
-                                               w.get(p + "ffn_up.weight", (F_, D))]), linear, dtype=dtype),
-                down=make_linear(w.get(p + "ffn_down.weight", (D, F_)), linear, dtype=dtype),
+                gate_up=make_linear(gate_up, linear),
+                down=make_linear(w.linear(p + "ffn_down.weight", (D, F_)), linear),
             ))
         self.norm = w.get("output_norm.weight", (D,))
-        head = self.embed if cfg.tie_embeddings else w.get("output.weight", (cfg.vocab_size, D))
-        self.lm_head = make_linear(head, linear, dtype=dtype)
+        embed = w.linear("token_embd.weight", (cfg.vocab_size, D))             # [V, D]
+        head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
+        self.lm_head = make_linear(head, linear)
+        self.embed = embed.dense
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
-        self.embed = self.embed.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
@@ -67,13 +68,12 @@ class LlamaForCausalLM:
         cfg = self.cfg
         T, H, Hkv, Dh = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed[input_ids]                                          # [T, D]
-        cos, sin = self.rope.tables(positions, self.dtype)                 # [T, 1, Dh/2]
+        cos, sin = self.rope.tables(positions, self.dtype)                 # [T, 1, Dh]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.qkv(rms_norm(h, layer.attn_norm, cfg.rms_norm_eps))  # [T, (H + 2Hkv) * Dh]
-            q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-            q = apply_rope(q.view(T, H, Dh), cos, sin)                     # [T, H, Dh]
-            k = apply_rope(k.view(T, Hkv, Dh), cos, sin)                   # [T, Hkv, Dh]
-            o = paged_attention(q, k, v.view(T, Hkv, Dh), k_cache, v_cache, meta, cfg.attn_scale)
+            qk = apply_rope(qkv[:, :(H + Hkv) * Dh].view(T, H + Hkv, Dh), cos, sin)  # q and k heads together
+            v = qkv[:, (H + Hkv) * Dh:].view(T, Hkv, Dh)
+            o = paged_attention(qk[:, :H], qk[:, H:], v, k_cache, v_cache, meta, cfg.attn_scale)
             h = h + layer.o(o)
             gate, up = layer.gate_up(rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
