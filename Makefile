@@ -1,0 +1,47 @@
+# loom: `make serve` sets everything up and starts the server; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL  ?= smollm2-135m
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install models browser serve test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: this CPU build satisfies the package's torch requirement, so pip never pulls a CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+models: install
+	$(BIN)/loom pull smollm2-135m
+	$(BIN)/loom pull gemma3-270m
+
+# headless Chromium for the playground test (Debian packages)
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; }
+
+serve: install
+	$(BIN)/loom pull $(MODEL)
+	$(BIN)/loom serve $(MODEL) --host $(HOST) --port $(PORT)
+
+test: models browser
+	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi; exit $$rc
+
+bench: install
+	$(BIN)/loom bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
