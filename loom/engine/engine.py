@@ -37,7 +37,7 @@ class Engine:
         path = resolve_model(config.load.model)
         gguf = GGUFFile.open(path)
         self.tokenizer = Tokenizer.from_gguf(gguf)
-        self.model = load_model(gguf, dtype=config.load.torch_dtype)
+        self.model = load_model(gguf, linear=config.load.linear_mode)
         self.model_path = path
         self.model_name = config.load.model
         self.load_seconds = time.perf_counter() - t0
@@ -47,8 +47,7 @@ class Engine:
         self.max_model_len = min(config.scheduler.max_model_len or cfg.context_length, cfg.context_length,
                                  num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids,
-                                  kv_dtype=config.load.torch_dtype, seed=config.seed)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, seed=config.seed)
         self.outputs: dict[str, OutputState] = {}
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
@@ -57,7 +56,7 @@ class Engine:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        per_token = ModelRunner.kv_bytes_per_token(self.model.cfg, self.config.load.torch_dtype)
+        per_token = ModelRunner.kv_bytes_per_token(self.model.cfg)
         budget = cache.kv_cache_memory or min(int(psutil.virtual_memory().available * DEFAULT_KV_SHARE),
                                               DEFAULT_KV_CAP)
         return max(1, budget // (per_token * cache.block_size))
