@@ -5,10 +5,11 @@ A backend is built once from a `LinearWeight` and called on activations [M, in] 
 row-stacked weights, split by the caller.
 
     exact     dense float32 (MKL): the reference mode, bit-identical to transformers
-    bf16      dense bfloat16 (oneDNN, AVX512-BF16): compute-bound shapes (prefill, big batches)
+    bf16      dense bfloat16 (oneDNN): compute-bound shapes, on CPUs with native bf16
     int4      torch's group-wise int4 kernel over the GGUF 4-bit blocks, repacked exactly
     int8      per-output-channel int8 requantization, for types with no exact int4 form
-    auto      int4/int8 while M is small (memory-bound), bf16 dense above a threshold
+    auto      int4/int8 while M is small (memory-bound); above a threshold a dense GEMM,
+              bf16 where the CPU has bf16 dot products (AVX512-BF16/AMX), else float32
 
 Backends are registered by name in LINEAR_MODES; `make_linear(weight, mode)` builds one.
 """
@@ -20,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from loom.model.cpu import has_native_bf16
 from loom.model.quant import GROUP, Int4Groups
 from loom.model.weights import LinearWeight
 
@@ -81,7 +83,7 @@ class AdaptiveLinear:
 
     def __init__(self, weight: LinearWeight, max_small_m: int = AUTO_MAX_SMALL_M):
         self.small = Int4Linear(weight.int4) if weight.int4 is not None else Int8Linear(weight)
-        self.large = DenseLinear(weight, torch.bfloat16)
+        self.large = DenseLinear(weight, torch.bfloat16 if has_native_bf16() else torch.float32)
         self.max_small_m = max_small_m
         self.out_features, self.in_features = self.large.out_features, self.large.in_features
 
