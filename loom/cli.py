@@ -7,6 +7,7 @@ process exits with status 1; only bugs produce a traceback.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -74,6 +75,159 @@ def models() -> None:
     out.print(table)
 
 
+def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=flag) from None
+
+
+@app.command()
+def bench(
+    model: str = typer.Option(registry.DEFAULT_MODEL, "--model", "-m", help="Registry model name or GGUF path."),
+    threads: int | None = typer.Option(None, "--threads", "-t", min=1,
+                                       help="Threads for every engine (default: physical cores)."),
+    peers: str = typer.Option("loom,transformers,llama.cpp", "--peers",
+                              help="Engines to measure, comma-separated: loom, loom:DTYPE (e.g. loom:float32), "
+                                   "transformers, llama.cpp. Missing packages are reported as skipped."),
+    dtype: str | None = typer.Option(None, "--dtype", help="dtype of the plain `loom` peer (default: loom's)."),
+    concurrency: str | None = typer.Option(None, "--concurrency",
+                                           help="Concurrent request counts (default: 1,4,16,32,64; quick: 1,4)."),
+    decode_tokens: int | None = typer.Option(
+        None, "--decode-tokens", min=2, help="New tokens of the single-stream decode run (default: 128; quick: 16)."),
+    prefill_tokens: int | None = typer.Option(None, "--prefill-tokens", min=1,
+                                              help="Prompt length of the prefill run (default: 512; quick: 64)."),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", min=2, help="New tokens per request in the concurrency runs (default: 64; quick: 8)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the full report as JSON here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write PNG charts into this directory."),
+    quick: bool = typer.Option(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="Spec-Bench question.jsonl to draw prompts from."),
+    spec: bool = typer.Option(False, "--spec", help="Speculative decoding suite (not yet available)."),
+    parallel: bool = typer.Option(False, "--parallel", help="Parallel sampling suite (not yet available)."),
+    server: str | None = typer.Option(None, "--server", metavar="URL",
+                                      help="Measure a running server at URL (not yet available)."),
+) -> None:
+    """Measure loom and its peers in one run on the same GGUF and thread count, each engine in its own
+    process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time."""
+    from loom.bench.harness import BenchRequest, run_bench
+    from loom.bench.peers import parse_peers
+    from loom.bench.prompts import SPEC_BENCH_PATH
+    from loom.bench.report import print_report, write_json
+    from loom.bench.settings import BenchError, BenchSettings
+    from loom.config import physical_cores
+
+    for flag, given in (("--spec", spec), ("--parallel", parallel), ("--server", server is not None)):
+        if given:
+            raise BenchError(f"{flag} is not yet available in loom bench")
+    settings = BenchSettings.preset(quick).replace(
+        concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
+        prefill_tokens=prefill_tokens, max_tokens=max_tokens)
+    specs = [s.with_option("dtype", dtype) if s.label == "loom" and dtype else s for s in parse_peers(peers)]
+    request = BenchRequest(model=model, peers=specs, settings=settings,
+                           threads=threads or physical_cores(), prompts_path=prompts or SPEC_BENCH_PATH)
+    report = run_bench(request, console=err)
+    print_report(report, out)
+    if json_path is not None:
+        write_json(report, json_path)
+        out.print(f"report written to {escape(str(json_path))}")
+    if plot is not None:
+        from loom.bench.plots import write_plots
+
+        for path in write_plots(report, plot):
+            out.print(f"plot written to {escape(str(path))}")
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(registry.DEFAULT_MODEL, help="Registry model name or path to a .gguf file."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server to the network."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="LOOM_API_KEY",
+                                       help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    served_model_name: str | None = typer.Option(
+        None, help="Name clients send as `model` (default: the registry name, or the .gguf file stem)."),
+    threads: int | None = typer.Option(None, "--threads", "-t", min=1, help="torch threads (default: physical cores)."),
+    dtype: str | None = typer.Option(None, help="float32 (exact), bfloat16 or auto (fastest); "
+                                                "default: the engine's default."),
+    max_num_seqs: int | None = typer.Option(None, min=1, help="Sequences running at once."),
+    max_num_batched_tokens: int | None = typer.Option(None, min=1, help="Token budget of one engine step."),
+    max_waiting: int | None = typer.Option(None, min=1,
+                                           help="Bound of the waiting queue; a request beyond it gets 429."),
+    max_model_len: int | None = typer.Option(None, min=2, help="Context limit (default: the model's)."),
+    kv_cache_memory: int | None = typer.Option(None, min=1,
+                                               help="Bytes for the KV cache (default: a share of free RAM)."),
+    num_blocks: int | None = typer.Option(None, min=1, help="KV blocks (overrides --kv-cache-memory)."),
+    block_size: int | None = typer.Option(None, min=1, help="Tokens per KV block."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+                                        help="Reuse the KV of shared prompt prefixes."),
+    seed: int = typer.Option(0, help="Seed of unseeded sampling."),
+    max_tokens_limit: int | None = typer.Option(None, min=1,
+                                                help="Largest max_tokens a request may ask for (larger: 400)."),
+    max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Log one line per request."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API, with a web playground at /."""
+    from loom.config import EngineConfig
+    from loom.server import run_server
+
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter(f"expected debug, info, warning or error, got {log_level!r}",
+                                 param_hint="--log-level")
+
+    config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
+                                 max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                                 num_blocks=num_blocks, block_size=block_size,
+                                 enable_prefix_caching=prefix_caching, seed=seed)
+    run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+               max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
+               access_log=access_log)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (with --chat: the user's message)."),
+    model: str = typer.Option(registry.DEFAULT_MODEL, "--model", "-m",
+                              help="Registry model name or path to a .gguf file."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 decodes greedily."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most probable tokens (0: all)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the request's sampler (reproducible output)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
+) -> None:
+    """Generate a completion for one prompt, streaming text to stdout as it is produced."""
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+    from loom.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            max_tokens=max_tokens, ignore_eos=ignore_eos)
+    engine = Engine(EngineConfig.create(model, threads=threads))
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        request = {"prompt": engine.tokenizer.apply_chat_template(messages),
+                   "prompt_token_ids": engine.tokenizer.encode_chat(messages)}
+    else:
+        request = prompt
+    engine.add_request(request, params)
+    stream = sys.stdout
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            delta = output.outputs[0].delta_text
+            if delta:
+                stream.write(delta)
+                stream.flush()
+    stream.write("\n")
+    stream.flush()
+
+
 def main() -> None:
     """Entry point of the ``loom`` script."""
     try:
@@ -81,3 +235,7 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("[red]interrupted[/red]")
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

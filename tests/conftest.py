@@ -54,3 +54,105 @@ def real_model_path(name: str) -> Path:
         pytest.fail(f"real model {name!r} is missing: {path} does not exist. Run `make test` (which pulls "
                     f"the models) or `loom pull {name}` first.", pytrace=False)
     return path
+
+
+# -- `loom serve` subprocesses (server and playground tests) -----------------------------------
+
+STRICT_API_KEY = "sk-loom-test"
+
+
+@pytest.fixture(scope="session")
+def server_pool(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Three `loom serve` processes, launched together so their start-up overlaps:
+
+    * ``real``: smollm2-135m, served as ``smollm2-135m``;
+    * ``tiny``: the tiny llama (ChatML template), served under its file stem ``tiny-llama``,
+      with max_tokens capped at 16 (the schemathesis target);
+    * ``strict``: a tiny SentencePiece llama with no chat template and a 4096-token context,
+      one running sequence, one waiting, and an API key (overload, auth, disconnects).
+    """
+    from loom_server import LoomServer, ServerPool
+
+    logs = tmp_path_factory.mktemp("server_logs")
+    strict_model = tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("tiny_spm") / "tiny-spm.gguf",
+                                              vocab="spm", context=4096)
+    pool = ServerPool()
+    try:
+        pool.launch(LoomServer("real", real_model_path("smollm2-135m"),
+                               ["--served-model-name", "smollm2-135m", "--threads", "2", "--num-blocks", "128",
+                                "--max-num-seqs", "8"], logs))
+        pool.launch(LoomServer("tiny", tiny_llama_path,
+                               ["--threads", "1", "--num-blocks", "256", "--max-tokens-limit", "16",
+                                "--no-access-log"], logs))
+        pool.launch(LoomServer("strict", strict_model,
+                               ["--threads", "1", "--num-blocks", "512", "--max-num-seqs", "1", "--max-waiting", "1"],
+                               logs, api_key=STRICT_API_KEY))
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+# -- Spec-Bench prompts (real text; read in place from the shared data folder) ------------------
+
+SPEC_BENCH_QUESTIONS = _TESTS.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+_spec_bench_cache: list[dict] = []
+
+
+def spec_bench_questions() -> list[dict]:
+    """Spec-Bench's questions (dicts with ``question_id``, ``category`` and ``turns``), in file order."""
+    if not _spec_bench_cache:
+        import json
+
+        if not SPEC_BENCH_QUESTIONS.is_file():
+            pytest.fail(f"Spec-Bench prompts are missing: {SPEC_BENCH_QUESTIONS} does not exist.", pytrace=False)
+        with SPEC_BENCH_QUESTIONS.open(encoding="utf-8") as f:
+            _spec_bench_cache.extend(json.loads(line) for line in f if line.strip())
+    return _spec_bench_cache
+
+
+# -- real models, loaded at most once per session --------------------------------------------------
+
+
+class RealModels:
+    """Lazy, per-session loads of the shipped models: loom's (model, tokenizer) and transformers'
+    float32 reference model. Each is loaded on first use and kept for the rest of the session."""
+
+    def __init__(self):
+        self._loom: dict[str, tuple] = {}
+        self._hf: dict[str, object] = {}
+
+    def loom(self, name: str):
+        """(model, tokenizer) as loom loads them (float32, the exact mode)."""
+        if name not in self._loom:
+            from loom.loader.gguf import GGUFFile
+            from loom.loader.tokenizer import Tokenizer
+            from loom.model.loader import load_model
+
+            f = GGUFFile.open(real_model_path(name))
+            self._loom[name] = (load_model(f), Tokenizer.from_gguf(f))
+        return self._loom[name]
+
+    def hf(self, name: str):
+        """The transformers model of the same file, float32, in eval mode."""
+        if name not in self._hf:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            path = real_model_path(name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            self._hf[name] = model.eval()
+        return self._hf[name]
+
+    def engine(self, name: str, **options):
+        """A fresh Engine over the session's loom model (no second load of the weights)."""
+        from loom.config import EngineConfig
+        from loom.engine.engine import Engine
+
+        model, tokenizer = self.loom(name)
+        return Engine(EngineConfig.create(str(real_model_path(name)), **options), model=model, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def real_models() -> RealModels:
+    return RealModels()

@@ -1,0 +1,5 @@
+"""``python -m loom``: the same as the ``loom`` command."""
+
+from loom.cli import main
+
+main()

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible HTTP server: `build_app(async_engine, ...)` and `run_server(...)`."""
+
+from loom.server.openai_api import build_app
+from loom.server.serve import run_server
+
+__all__ = ["build_app", "run_server"]

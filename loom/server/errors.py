@@ -1,0 +1,149 @@
+"""Every failure the API reports, as an OpenAI-style error body.
+
+Rules:
+
+* a client mistake is a 4xx with ``{"error": {"message", "type", "param", "code"}}`` and is
+  never logged with a traceback;
+* `QueueFullError` (the bounded waiting queue is full) is a 429 with ``Retry-After``;
+* any other `LoomError` raised while handling a request is the client's input (a prompt the
+  chat template rejects, a prompt longer than the context, ...) and is a 400;
+* only a bug is a 500; its traceback is logged by the server, its body stays generic.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loom.engine.engine import QueueFullError
+from loom.errors import LoomError
+from loom.server.protocol import ErrorInfo, ErrorResponse
+
+# Seconds a client told "queue full" should wait before retrying.
+RETRY_AFTER_SECONDS = 1
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+OVERLOADED = "server_overloaded"
+SERVER_ERROR = "server_error"
+
+_STATUS_TYPES = {401: AUTHENTICATION, 404: NOT_FOUND, 429: OVERLOADED}
+# FastAPI's detail for a body that fails to decode before JSON parsing (e.g. bad UTF-8).
+_FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+
+# Location parts pydantic adds for union members or wrappers; they are not field names.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes", "list", "dict"})
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+# SamplingParams and the engine start their messages with the field's name.
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*) must be ")
+
+
+class ApiError(Exception):
+    """An error answer decided by the API layer (unknown model, limit exceeded, ...)."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _STATUS_TYPES.get(status, INVALID_REQUEST if status < 500 else SERVER_ERROR)
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; nothing is sent back."""
+
+
+def error_response(status: int, message: str, *, type: str | None = None, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = type or _STATUS_TYPES.get(status, INVALID_REQUEST if status < 500 else SERVER_ERROR)
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def api_error_from_loom(e: LoomError) -> ApiError:
+    """The API error for a LoomError raised while serving a request."""
+    message = str(e)
+    if isinstance(e, QueueFullError):
+        return ApiError(429, f"{message}; retry later", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    match = _LEADING_FIELD.match(message)
+    return ApiError(400, message, param=match.group(1) if match else None)
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (isinstance(p, str) and _FIELD.match(p)
+                                                                 and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable message (and the offending parameter) for pydantic's error list."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "invalid JSON")
+        where = f" at position {loc[1]}" if len(loc) > 1 else ""
+        return f"malformed JSON body: {detail}{where}", None
+    if loc == ("body",):
+        if kind == "missing":
+            return "the request needs a JSON object body (Content-Type: application/json)", None
+        return "the request body must be a JSON object (sent with Content-Type: application/json)", None
+    # A union reports one error per member. The members that got furthest into the value
+    # say the most ("at least 1 character" beats "not a string"); if several got equally
+    # far, say what each wanted.
+    field = loc[1] if len(loc) > 1 else None
+    same = [e for e in errors if len(e.get("loc", ())) > 1 and e["loc"][1] == field] or [first]
+    depth = max(len(_param_of(tuple(e.get("loc", ()))) or "") for e in same)
+    best = [e for e in same if len(_param_of(tuple(e.get("loc", ()))) or "") == depth]
+    param = _param_of(tuple(best[0].get("loc", ())))
+    wants = list(dict.fromkeys(e.get("msg", "invalid value") for e in best))[:4]
+    shown = "" if best[0].get("type") == "missing" else f" (got {_short(best[0].get('input'))})"
+    return f"{param or 'body'}: {'; or '.join(wants)}{shown}", param
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Routes every error path of `app` to an OpenAI-style body."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, type=e.type, param=e.param, code=e.code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(e.errors()))
+        return error_response(400, message, param=param, code="invalid_value" if param else "invalid_body")
+
+    @app.exception_handler(LoomError)
+    async def _loom(_: Request, e: LoomError) -> JSONResponse:
+        err = api_error_from_loom(e)
+        return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code,
+                              headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = e.detail if isinstance(e.detail, str) else str(e.detail)
+        if e.status_code == 404 and message == "Not Found":
+            message = "no such endpoint"
+        elif e.status_code == 400 and message == _FASTAPI_BODY_PARSE_ERROR:
+            message = "malformed JSON body: it is not valid UTF-8 JSON text"
+        return error_response(e.status_code, message, headers=dict(e.headers or {}) or None)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, __: Exception) -> JSONResponse:
+        # Starlette re-raises the exception after this answer, so the server logs its traceback.
+        return error_response(500, "internal server error", type=SERVER_ERROR)

@@ -1,0 +1,62 @@
+"""ASGI middleware that refuses request bodies larger than a limit with a 413.
+
+A declared ``Content-Length`` above the limit is refused before anything is read. Otherwise
+the body is read up to the limit: if it goes over, the request is refused; if not, the
+buffered body is replayed to the app, and later ``receive`` calls (the disconnect
+notification) go to the server as usual.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loom.server.errors import error_response
+
+
+class BodySizeLimit:
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                # the client left before sending its body; let the app see the disconnect
+                await self.app(scope, _replay([message], receive), send)
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"request body is larger than the limit of {self.max_body_bytes} bytes",
+                                  code="request_too_large", headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed

@@ -1,0 +1,174 @@
+"""Prometheus metrics with vLLM's names, so existing vLLM dashboards work unchanged.
+
+Each app owns its `CollectorRegistry`. Two kinds of series:
+
+* engine state (gauges, and counters the engine keeps cumulatively) is read at scrape time,
+  under the engine lock via `AsyncEngine.snapshot`, so a scrape sees one consistent step;
+* per-request latencies and outcomes are observed by the API layer as outputs arrive
+  (`RequestTracker`), from the engine's monotonic timestamps.
+
+Every series carries the label ``model_name``. Counter names are given without ``_total``;
+the exposition format appends it (``vllm:prompt_tokens_total``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from loom.engine.async_engine import AsyncEngine
+from loom.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+                160.0, 640.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """The engine counters and gauges at one instant."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def sample_engine(ae: AsyncEngine) -> EngineSample:
+    """Reads the engine's state under its lock (waits for a running step to end)."""
+
+    def read(engine) -> EngineSample:
+        s, kv = engine.scheduler.stats, engine.kv
+        return EngineSample(num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+                            kv_usage=float(kv.usage()), num_preemptions=s.num_preemptions,
+                            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
+                            prefix_cache_queries=kv.stats.prefix_cache_queries,
+                            prefix_cache_hits=kv.stats.prefix_cache_hits)
+
+    return ae.snapshot(read)
+
+
+class _EngineCollector(Collector):
+    """Engine series, computed at each scrape."""
+
+    def __init__(self, ae: AsyncEngine, model_name: str):
+        self.ae = ae
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = sample_engine(self.ae)
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", s.kv_usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "Older name of vllm:kv_cache_usage_perc (the cache is in RAM).",
+                    s.kv_usage)
+        yield counter("vllm:num_preemptions", "Requests preempted to free KV blocks.", s.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+
+
+class ServerMetrics:
+    """The registry of one app, and the request-level series the API layer feeds."""
+
+    def __init__(self, ae: AsyncEngine, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(ae, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
+                             labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Older name of vllm:inter_token_latency_seconds.", labels, buckets=ITL_BUCKETS,
+                              registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last output.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self.success = Counter("vllm:request_success", "Requests finished, by reason.",
+                               ["finished_reason", "model_name"], registry=self.registry)
+        # Every reason is exported from the start, so rate() works before the first request ends.
+        for reason in FINISH_REASONS:
+            self.success.labels(reason, model_name)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Observes one engine request's outputs: TTFT once, ITL per token, e2e and outcome at the end.
+
+    An output's `metrics` object is shared with the engine thread, which keeps updating
+    `last_token_time` after the output was sent; only the fields written once (arrival, first
+    token, finish) are read from it. Inter-token gaps are measured when outputs arrive here,
+    on the same monotonic clock.
+    """
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.last_seen: float | None = None
+        self.num_tokens = 0
+        self.ended = False
+
+    def on_output(self, out: RequestOutput, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        times = out.metrics
+        completion = out.outputs[0]
+        name = self.m.model_name
+        new = len(completion.token_ids) - self.num_tokens
+        if new > 0:
+            if self.last_seen is None:
+                if times is not None and times.first_token_time is not None:
+                    self.m.ttft.labels(name).observe(max(0.0, times.first_token_time - times.arrival_time))
+                new -= 1
+            else:
+                gap = max(0.0, now - self.last_seen) / new
+                for _ in range(new):
+                    self.m.itl.labels(name).observe(gap)
+                    self.m.tpot.labels(name).observe(gap)
+            self.last_seen = now
+            self.num_tokens = len(completion.token_ids)
+        if out.finished and times is not None:
+            self._end(completion.finish_reason or "abort", times.finished_time or now, times.arrival_time)
+
+    def on_abandoned(self, arrival_time: float | None, now: float) -> None:
+        """The request was aborted before finishing (client gone, or the call failed)."""
+        self._end("abort", now, arrival_time)
+
+    def _end(self, reason: str, end: float | None, arrival: float | None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        name = self.m.model_name
+        self.m.success.labels(reason if reason in FINISH_REASONS else "abort", name).inc()
+        if end is not None and arrival is not None:
+            self.m.e2e.labels(name).observe(max(0.0, end - arrival))

@@ -1,0 +1,555 @@
+"""The OpenAI-compatible HTTP API over an `AsyncEngine`: `build_app(async_engine, ...)`.
+
+Endpoints:
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON answers, or server-sent
+  events with ``"stream": true`` (ending in ``data: [DONE]``);
+* ``GET /v1/models``, ``GET /v1/models/{id}``: the served model;
+* ``GET /v1/loom/stats``: running/waiting requests and KV usage as JSON (the playground's feed);
+* ``GET /health``, ``GET /version``, ``GET /metrics`` (Prometheus), ``GET /`` (playground).
+
+Rules:
+
+* with an API key, every ``/v1/*`` endpoint needs ``Authorization: Bearer <key>`` (else 401);
+* a request for another model than the served one is a 404 ``model_not_found``;
+* a request is answered with an error (never a half-sent 200) when any of its engine requests
+  is refused; for a stream that means its headers wait for every choice's first output;
+* a client that disconnects, streaming or not, has its engine requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import loom
+from loom.engine.async_engine import AsyncEngine
+from loom.errors import LoomError, TokenizerError
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.server.errors import INVALID_REQUEST, ApiError, ClientDisconnected, install_error_handlers
+from loom.server.fanout import ChoiceGroup, fan_out
+from loom.server.limits import BodySizeLimit
+from loom.server.logprobs import chat_logprobs, completion_logprobs
+from loom.server.metrics import ServerMetrics, sample_engine
+from loom.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SamplingFields,
+    StatsResponse,
+    UsageInfo,
+    VersionResponse,
+)
+from loom.server.sse import DONE, EventStreamResponse, event
+
+log = logging.getLogger("loom.server")
+
+DEFAULT_MAX_BODY_BYTES = 2 << 20
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+_ERRORS = {"model": ErrorResponse}
+_V1_ERRORS: dict[int | str, dict[str, Any]] = {400: _ERRORS, 413: _ERRORS}
+_GENERATE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {**_ERRORS, "description": "Invalid parameters, malformed JSON, or a prompt longer than the context."},
+    404: {**_ERRORS, "description": "The model named is not served here."},
+    413: {**_ERRORS, "description": "The request body is larger than the server's limit."},
+    429: {**_ERRORS, "description": "The waiting queue is full; retry after the Retry-After header's seconds."},
+}
+
+
+def _sse_doc(chunk_model: str) -> dict[int | str, dict[str, Any]]:
+    """The 200 entry of a streaming endpoint: JSON, or (OpenAPI 3.1 style) the schema of one
+    server-sent event, whose data is a chunk, an in-band error, or the final ``[DONE]``."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk_model}"},
+                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    event_schema = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string",
+                     "anyOf": [{"const": "[DONE]"},
+                               {"contentMediaType": "application/json", "contentSchema": payload}]},
+        },
+    }
+    return {200: {"description": f"The answer as JSON, or with `stream: true` as server-sent events: one "
+                                 f"`{chunk_model}` per `data:` line, ending with `data: [DONE]`.",
+                  "content": {"text/event-stream": {"schema": event_schema}}}}
+
+
+def default_served_name(model: str) -> str:
+    """The name a model is served under: a registry name as is, a .gguf path by its file stem."""
+    path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else model
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completions request: its `prompt` is one prompt or a batch of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    if m.content is None:
+        content = ""
+    elif isinstance(m.content, str):
+        content = m.content
+    else:
+        content = "\n".join(part.text for part in m.content)
+    d: dict[str, Any] = {"role": m.role, "content": content}
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+class OpenAIServing:
+    """Turns API requests into engine requests and engine outputs into API answers."""
+
+    def __init__(self, ae: AsyncEngine, served_model_name: str, max_tokens_limit: int | None,
+                 metrics: ServerMetrics):
+        self.ae = ae
+        self.model = served_model_name
+        self.max_tokens_limit = max_tokens_limit
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # -- request checks -------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model}`.",
+                           type=INVALID_REQUEST, param="model", code="model_not_found")
+
+    def max_tokens(self, value: int | None, param: str, explicit: bool) -> int | None:
+        """The per-choice token budget: the request's, checked against the server cap; an
+        unset budget is the cap (a default larger than the cap is lowered to it)."""
+        cap = self.max_tokens_limit
+        if cap is not None and value is not None and value > cap:
+            if explicit:
+                raise ApiError(400, f"{param} must be <= {cap} (this server's limit), got {value}",
+                               param=param, code="invalid_value")
+            return cap
+        return cap if value is None else value
+
+    @staticmethod
+    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0), top_k=given(body.top_k, 0),
+            min_p=given(body.min_p, 0.0), presence_penalty=given(body.presence_penalty, 0.0),
+            frequency_penalty=given(body.frequency_penalty, 0.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0), seed=body.seed, stop=body.stop,
+            stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens)
+
+    # -- running a group ---------------------------------------------------------------------
+    @staticmethod
+    async def collect(group: ChoiceGroup, request: Request) -> list[RequestOutput]:
+        group.watch(request)
+        try:
+            await group.admitted()
+            return await group.final_outputs()
+        finally:
+            group.close()
+
+    @staticmethod
+    async def open_stream(group: ChoiceGroup, request: Request, events: AsyncIterator[str]) -> Response:
+        group.watch(request)
+        try:
+            await group.admitted()
+        except BaseException:
+            group.close()
+            await events.aclose()
+            raise
+        return EventStreamResponse(events, on_close=group.close)
+
+    def usage(self, finals: list[RequestOutput | None], n: int) -> UsageInfo:
+        """Prompt tokens count once per prompt (its first choice), completion tokens per choice."""
+        firsts = [finals[i] for i in range(0, len(finals), n)]
+        prompt = sum(len(f.prompt_token_ids) for f in firsts if f is not None)
+        cached = sum(f.num_cached_tokens for f in firsts if f is not None)
+        completion = sum(len(f.outputs[0].token_ids) for f in finals if f is not None)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    # -- completions --------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
+        self.check_model(body.model)
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported: loom does not compute prompt logprobs",
+                           param="echo", code="unsupported")
+        prompts = _prompt_list(body.prompt)
+        max_tokens = self.max_tokens(body.max_tokens, "max_tokens", "max_tokens" in body.model_fields_set)
+        params = self.sampling_params(body, max_tokens, body.logprobs)
+        echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        group = fan_out(self.ae, prompts, params, body.n, rid, body.priority, self.metrics.tracker)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._completion_events(group, body, rid, created, echoes, include_usage)
+            return await self.open_stream(group, request, events)
+        finals = await self.collect(group, request)
+        choices = []
+        for index, out in enumerate(finals):
+            c = out.outputs[0]
+            echo = echoes[index // body.n] if echoes else ""
+            lp = (completion_logprobs(c.logprobs or [], c.token_ids, body.logprobs, offset=len(echo))
+                  if body.logprobs is not None else None)
+            choices.append(CompletionChoice(index=index, text=echo + c.text, logprobs=lp,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=rid, created=created, model=self.model, choices=choices,
+                                  usage=self.usage(finals, body.n))
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.ae.tokenizer.decode(prompt)
+
+    async def _completion_events(self, group: ChoiceGroup, body: CompletionRequest, rid: str, created: int,
+                                 echoes: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
+        tokens_sent = [0] * group.size
+        chars_sent = [0] * group.size
+        echo_pending = [bool(echoes)] * group.size
+        finals: list[RequestOutput | None] = [None] * group.size
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            data = CompletionStreamResponse(id=rid, created=created, model=self.model, choices=choices,
+                                            usage=usage).model_dump()
+            if not include_usage:
+                data.pop("usage")
+            return event(data)
+
+        try:
+            async for index, out in group:
+                c = out.outputs[0]
+                prefix = echoes[index // body.n] if echoes and echo_pending[index] else ""
+                text = prefix + c.delta_text
+                new_ids = c.token_ids[tokens_sent[index]:]
+                lp = None
+                if body.logprobs is not None and new_ids:
+                    lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs,
+                                             offset=chars_sent[index] + len(prefix))
+                tokens_sent[index] = len(c.token_ids)
+                if out.finished:
+                    finals[index] = out
+                if not text and lp is None and not out.finished:
+                    continue
+                chars_sent[index] += len(text)
+                echo_pending[index] = False
+                yield chunk([CompletionChoice(index=index, text=text, logprobs=lp,
+                                              finish_reason=c.finish_reason if out.finished else None,
+                                              stop_reason=c.stop_reason if out.finished else None)])
+            if include_usage:
+                yield chunk([], self.usage(finals, body.n))
+            yield DONE
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            yield self._stream_error(e)
+            yield DONE
+        finally:
+            group.close()
+
+    # -- chat completions ----------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+        self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        if body.max_completion_tokens is not None:
+            max_tokens = self.max_tokens(body.max_completion_tokens, "max_completion_tokens", True)
+        else:
+            max_tokens = self.max_tokens(body.max_tokens, "max_tokens", True)
+        top_k = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling_params(body, max_tokens, top_k)
+        prompt = self._chat_prompt(body)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._chat_events(group, body, rid, created, top_k, include_usage)
+            return await self.open_stream(group, request, events)
+        finals = await self.collect(group, request)
+        choices = []
+        for index, out in enumerate(finals):
+            c = out.outputs[0]
+            lp = chat_logprobs(c.logprobs or [], c.token_ids, top_k) if top_k is not None else None
+            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text), logprobs=lp,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices,
+                                      usage=self.usage(finals, body.n))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        messages = [_message_dict(m) for m in body.messages]
+        try:
+            ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        except TokenizerError as e:
+            raise ApiError(400, f"{e} (POST /v1/completions takes a plain prompt)", param="messages",
+                           code="chat_template_error") from None
+        return {"prompt_token_ids": ids}
+
+    async def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
+                           top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
+        tokens_sent = [0] * group.size
+        finals: list[RequestOutput | None] = [None] * group.size
+
+        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+            data = ChatCompletionChunk(id=rid, created=created, model=self.model, choices=choices,
+                                       usage=usage).model_dump()
+            for choice in data["choices"]:
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if not include_usage:
+                data.pop("usage")
+            return event(data)
+
+        try:
+            for index in range(group.size):
+                yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for index, out in group:
+                c = out.outputs[0]
+                new_ids = c.token_ids[tokens_sent[index]:]
+                lp = None
+                if top_k is not None and new_ids:
+                    lp = chat_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, top_k)
+                tokens_sent[index] = len(c.token_ids)
+                if out.finished:
+                    finals[index] = out
+                if not c.delta_text and lp is None and not out.finished:
+                    continue
+                delta = DeltaMessage(content=c.delta_text) if c.delta_text or not out.finished else DeltaMessage()
+                yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
+                                             finish_reason=c.finish_reason if out.finished else None,
+                                             stop_reason=c.stop_reason if out.finished else None)])
+            if include_usage:
+                yield chunk([], self.usage(finals, body.n))
+            yield DONE
+        except ClientDisconnected:
+            return
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            yield self._stream_error(e)
+            yield DONE
+        finally:
+            group.close()
+
+    @staticmethod
+    def _stream_error(e: Exception) -> str:
+        if isinstance(e, LoomError):
+            kind, message = INVALID_REQUEST, str(e)
+        else:
+            log.error("stream failed: %r", e)
+            kind, message = "server_error", "internal server error"
+        return event({"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+    # -- models and stats ------------------------------------------------------------------------
+    def model_card(self) -> ModelCard:
+        engine = self.ae.engine
+        return ModelCard(id=self.model, created=self.created, root=str(engine.model_name),
+                         max_model_len=engine.max_model_len)
+
+    async def stats(self) -> StatsResponse:
+        s = await asyncio.to_thread(sample_engine, self.ae)
+        return StatsResponse(model=self.model, max_model_len=self.ae.engine.max_model_len,
+                             num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
+                             kv_cache_usage=s.kv_usage, num_preemptions=s.num_preemptions,
+                             prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
+                             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+
+
+def _bearer_check(api_key: str):
+    bearer = HTTPBearer(auto_error=False, description="The server's --api-key.")
+
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        given = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def _integer_branches(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    """The integer schemas inside a property schema (itself, or its anyOf members)."""
+    if schema.get("type") == "integer":
+        return [schema]
+    return [s for s in schema.get("anyOf", []) if s.get("type") == "integer"]
+
+
+def _state_server_limits(schema: dict[str, Any], *, model: str, vocab_size: int,
+                         max_tokens_limit: int | None) -> None:
+    """Writes this server's own limits into the request schemas, so the document describes
+    what it accepts: the served model name, token ids below the vocabulary size, and the
+    max_tokens cap."""
+    components = schema["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = components[name]["properties"]
+        props["model"]["anyOf"] = [{"type": "string", "enum": [model]}, {"type": "null"}]
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props and max_tokens_limit is not None:
+                for branch in _integer_branches(props[field]):
+                    branch["maximum"] = max_tokens_limit
+        stop_ids = [s for s in props["stop_token_ids"].get("anyOf", []) if s.get("type") == "array"]
+        for branch in stop_ids:
+            branch["items"]["maximum"] = vocab_size - 1
+    for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        items = form.get("items", {})
+        for ids in (items, items.get("items", {})):
+            if ids.get("type") == "integer":
+                ids["maximum"] = vocab_size - 1
+    for parameter in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
+        if parameter["name"] == "model_id":
+            parameter["schema"]["enum"] = [model]
+
+
+def _finish_openapi(app: FastAPI, chunk_models: list[type], **limits: Any) -> None:
+    """Post-processes FastAPI's document: validation failures are answered as 400, so its 422
+    entries go; the stream chunk models join the components (the event-stream schemas point
+    at them); the server's limits are stated (`_state_server_limits`)."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = original()
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in chunk_models:
+            definition = model.model_json_schema(mode="serialization", ref_template="#/components/schemas/{model}")
+            for name, sub in definition.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components[model.__name__] = definition
+        _state_server_limits(schema, **limits)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str | None = None,
+              max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `async_engine`; the engine thread starts and stops with the app.
+
+    served_model_name: the name clients must send as `model` (default: the registry name, or
+        the file stem of a .gguf path).
+    max_tokens_limit: the largest max_tokens a request may ask for (default: the context).
+    max_body_bytes: larger request bodies are refused with 413.
+    """
+    ae = async_engine
+    name = served_model_name or default_served_name(str(ae.engine.model_name))
+    metrics = ServerMetrics(ae, name)
+    serving = OpenAIServing(ae, name, max_tokens_limit, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        ae.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    app = FastAPI(title="loom", version=loom.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat completions served by loom on CPUs.")
+    app.state.serving = serving
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    v1_errors = {**_V1_ERRORS, **({401: _ERRORS} if api_key else {})}
+    gen_errors = {**_GENERATE_ERRORS, **({401: _ERRORS} if api_key else {})}
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+
+    @v1.post("/completions", response_model=CompletionResponse, responses={**_sse_doc("CompletionStreamResponse"),
+                                                                          **gen_errors})
+    async def create_completion(body: CompletionRequest, request: Request):
+        """Completes one prompt or a batch of prompts."""
+        return await serving.completions(body, request)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse,
+             responses={**_sse_doc("ChatCompletionChunk"), **gen_errors})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        """Answers a conversation rendered with the model's chat template."""
+        return await serving.chat(body, request)
+
+    @v1.get("/models", response_model=ModelList, responses=v1_errors)
+    async def list_models() -> ModelList:
+        return ModelList(data=[serving.model_card()])
+
+    @v1.get("/models/{model_id:path}", response_model=ModelCard, responses={**v1_errors, 404: _ERRORS})
+    async def get_model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return serving.model_card()
+
+    @v1.get("/loom/stats", response_model=StatsResponse, responses=v1_errors)
+    async def stats() -> StatsResponse:
+        """Extension: the engine's load now (the playground polls it)."""
+        return await serving.stats()
+
+    app.include_router(v1)
+
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS})
+    async def health():
+        """200 while the engine thread is alive."""
+        if ae.error is not None:
+            return JSONResponse(ErrorResponse.model_validate(
+                {"error": {"message": f"engine failed: {ae.error!r}", "type": "server_error"}}).model_dump(),
+                status_code=503)
+        return HealthResponse()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=loom.__version__)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text exposition.",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus_metrics() -> Response:
+        body = await asyncio.to_thread(metrics.exposition)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
+                    vocab_size=int(ae.engine.model.cfg.vocab_size), max_tokens_limit=max_tokens_limit)
+    return app

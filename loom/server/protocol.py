@@ -1,0 +1,297 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests are validated strictly: a JSON value of the wrong type (``"16"`` for an integer,
+``1.5`` for an integer, ``1`` for a boolean) is a 400, never silently converted; only an
+integral float (``2.0``) counts as an integer, as in JSON Schema. Ranges
+declared here appear in ``/openapi.json``; `SamplingParams` validates the same values
+again when the request is turned into sampling parameters.
+
+Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send newer
+OpenAI options still work. Fields marked "extension" are vLLM / loom additions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from loom.sampling_params import MAX_LOGPROBS
+
+# The most completions one request may ask for with `n`, and the most prompts in one batch.
+MAX_N = 16
+MAX_PROMPTS = 64
+# The range of seeds `SamplingParams` accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _integral(value: object) -> object:
+    """JSON Schema counts 2.0 as an integer, so an integral float is accepted as the int it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer fields: an integer, or a float with no fractional part (never a string or bool).
+# The bounds sit inside the Annotated so the JSON schema states them as minimum / maximum.
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+Count = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+PositiveCount = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+ChoiceCount = Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1), BeforeValidator(_integral)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """The body of every 4xx/5xx answer: ``{"error": {message, type, param, code}}``."""
+
+    error: ErrorInfo
+
+
+# -- shared request fields -----------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="The served model name; omitted means the served model.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 decodes greedily; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: TopK | None = Field(None, description="Extension: keep the k most probable tokens; 0 or -1 keeps all.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension: 1 disables.")
+    seed: Seed | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=16)] | None = Field(None, description="Extension.")
+    n: ChoiceCount = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: Priority = Field(0, description="Extension: lower values are scheduled first.")
+    ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
+    min_tokens: Count = Field(0, description="Extension: no stop before this many tokens.")
+    include_stop_str_in_output: bool = Field(False, description="Extension.")
+    skip_special_tokens: bool = Field(True, description="Extension.")
+
+
+# -- completions -------------------------------------------------------------------------------
+
+PromptInput = Union[
+    NonEmptyStr,
+    Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput = Field(description="A string, a list of strings, a list of token ids, "
+                                            "or a list of token-id lists.")
+    max_tokens: PositiveCount | None = Field(16, description="Tokens to generate per choice; "
+                                                            "null runs to the context limit.")
+    logprobs: LogprobCount | None = Field(None, description="Return the chosen token's logprob and this many "
+                                                            "alternatives.")
+    echo: bool = Field(False, description="Put the prompt in front of the completion text.")
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = Field(None, description="Extension: the stop string or token id that ended it.")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(_Response):
+    """One ``data:`` event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# -- chat completions --------------------------------------------------------------------------
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveCount | None = Field(None, description="Tokens to generate per choice; "
+                                                                        "null runs to the context limit.")
+    max_tokens: PositiveCount | None = Field(None, deprecated=True, description="Older name of max_completion_tokens.")
+    logprobs: bool = False
+    top_logprobs: LogprobCount | None = Field(None, description="Needs logprobs: true.")
+    add_generation_prompt: bool = Field(True, description="Extension: end the prompt with the assistant header.")
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = Field(None, description="Extension: the stop string or token id that ended it.")
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Response):
+    """What a chunk adds; fields that are null are left out of the event."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One ``data:`` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+# -- models, health, stats ------------------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loom"
+    root: str | None = Field(None, description="Extension: the model file or registry name served.")
+    max_model_len: int | None = Field(None, description="Extension: the context limit in tokens.")
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(_Response):
+    version: str
+
+
+class StatsResponse(_Response):
+    """Extension (``GET /v1/loom/stats``): the engine's load at this moment, for dashboards."""
+
+    model: str
+    max_model_len: int
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float = Field(description="Fraction of KV blocks in use, 0..1.")
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int

@@ -1,0 +1,33 @@
+"""Running the API with uvicorn: load the engine first, then listen.
+
+The model is loaded before the socket is bound, so a bad model path fails the command with
+its `LoomError` message instead of a half-started server; uvicorn logs the address once it
+listens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from loom.config import EngineConfig
+from loom.engine.async_engine import AsyncEngine
+from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
+
+
+def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_name: str | None = None, max_tokens_limit: int | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
+               access_log: bool = True) -> None:
+    """Loads the model of `config` and serves it until interrupted (Ctrl-C / SIGTERM)."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    ae = AsyncEngine.from_config(config)
+    app = build_app(ae, api_key=api_key, served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,
+                    max_body_bytes=max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           access_log=access_log, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        ae.shutdown()

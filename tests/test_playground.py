@@ -1,0 +1,80 @@
+"""The web playground at /, driven by headless Chromium against the real-model server.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` packages; without them the test fails
+(it never skips): ``make test`` installs them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--no-first-run")
+
+# Counts every change to the text of the chat log, so the test can tell that the answer
+# arrived in several pieces (streamed) rather than at once.
+COUNT_TEXT_UPDATES = """
+window.__textUpdates = 0;
+new MutationObserver((records) => { window.__textUpdates += records.length; })
+  .observe(document.getElementById("messages"), {characterData: true, subtree: true});
+"""
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory):
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.is_file()]
+    if missing:
+        pytest.fail(f"the playground test needs headless Chromium, but {', '.join(missing)} is missing. "
+                    "`make test` installs it (apt-get install -y chromium chromium-driver).", pytrace=False)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_chat_answer_streams_into_the_page(server_pool, browser) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = server_pool.get("real")
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 90, poll_frequency=0.05)
+    # the stats poll names the model once the page talks to the server
+    wait.until(lambda d: "smollm2-135m" in d.find_element(By.ID, "model-name").text)
+
+    for field, value in (("max-tokens", "12"), ("temperature", "0")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    browser.execute_script(COUNT_TEXT_UPDATES)
+    browser.find_element(By.ID, "prompt").send_keys("What is the capital of France?")
+    browser.find_element(By.ID, "send").click()
+
+    answer = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))[-1]
+    wait.until(lambda d: answer.text.strip(), message="no answer text appeared")
+    wait.until(lambda d: answer.get_attribute("data-state") != "streaming", message="the answer never finished")
+    assert answer.get_attribute("data-state") == "done", answer.text
+    assert browser.find_element(By.CSS_SELECTOR, ".msg.user").text == "What is the capital of France?"
+    assert re.search(r"\w", answer.text)
+    assert browser.execute_script("return window.__textUpdates") >= 2, "the answer should arrive in pieces"
+    assert re.fullmatch(r"\d+(\.\d+)?", browser.find_element(By.ID, "stat-tps").text)
+    assert int(browser.find_element(By.ID, "stat-answer-tokens").text) >= 2
+    wait.until(lambda d: d.find_element(By.ID, "stat-kv").text.endswith("%"))
+    assert browser.find_element(By.ID, "stat-running").text.isdigit()

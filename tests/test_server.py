@@ -1,0 +1,459 @@
+"""The OpenAI-compatible server, tested over HTTP against real `loom serve` processes.
+
+The official `openai` client drives the happy paths; httpx drives error bodies, overload,
+disconnects and metrics; schemathesis fuzzes every operation of /openapi.json. Servers come
+from the session `server_pool` (see conftest.py): ``real`` (smollm2-135m), ``tiny`` and
+``strict`` (API key, one running and one waiting request, no chat template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from loom_server import LoomServer, metric, scrape, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def real(server_pool) -> LoomServer:
+    return server_pool.get("real")
+
+
+@pytest.fixture(scope="module")
+def tiny(server_pool) -> LoomServer:
+    return server_pool.get("tiny")
+
+
+@pytest.fixture(scope="module")
+def strict(server_pool) -> LoomServer:
+    return server_pool.get("strict")
+
+
+def client(server: LoomServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.api_key or "unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def greedy_completion(real: LoomServer):
+    """The greedy 8-token completion of PROMPT on the real model (shared by several tests)."""
+    return client(real).completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0)
+
+
+# -- real model: completions, chat, streaming, stop ------------------------------------------------------
+
+
+def test_completion_and_stream_agree(real: LoomServer, greedy_completion) -> None:
+    done = greedy_completion
+    assert done.id.startswith("cmpl-") and done.object == "text_completion" and done.model == "smollm2-135m"
+    [choice] = done.choices
+    assert choice.index == 0 and choice.text.strip() and choice.finish_reason in ("length", "stop")
+    assert 1 <= done.usage.completion_tokens <= 8
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    assert "Paris" in choice.text
+
+    chunks = list(client(real).completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8,
+                                                  temperature=0, stream=True))
+    assert len(chunks) >= 2, "the answer should arrive in several chunks"
+    assert all(c.id == chunks[0].id and c.id.startswith("cmpl-") for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_and_stream_agree(real: LoomServer) -> None:
+    api = client(real)
+    done = api.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=8, temperature=0)
+    assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
+    [choice] = done.choices
+    assert choice.message.role == "assistant" and choice.message.content.strip()
+    assert choice.finish_reason in ("length", "stop")
+
+    chunks = list(api.chat.completions.create(model="smollm2-135m", messages=QUESTION, max_tokens=8, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == done.usage.completion_tokens
+    assert usage_chunk.usage.prompt_tokens == done.usage.prompt_tokens
+
+
+def test_stop_string_cuts_the_text(real: LoomServer, greedy_completion) -> None:
+    text = greedy_completion.choices[0].text
+    cut = len(text) // 2
+    stop = text[cut:cut + 2]
+    assert len(stop) == 2
+    done = client(real).completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=8, temperature=0,
+                                           stop=[stop])
+    [choice] = done.choices
+    assert choice.text == text[:text.find(stop)]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra.get("stop_reason") == stop
+
+
+# -- tiny model: n, seeds, logprobs, batches, echo ------------------------------------------------------
+
+
+def test_n_choices_with_seeds(tiny: LoomServer) -> None:
+    api = client(tiny)
+    kwargs = dict(model="tiny-llama", prompt="hello world", max_tokens=8, temperature=1.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    two = api.completions.create(n=2, **kwargs)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text != two.choices[1].text, "each seeded choice gets its own seed"
+    assert two.usage.completion_tokens == 16
+    again = api.completions.create(n=2, **kwargs)
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]
+    one = api.completions.create(n=1, **kwargs)
+    assert one.choices[0].text == two.choices[0].text, "choice 0 keeps the request seed"
+
+
+def test_seed_reproducible_in_chat(tiny: LoomServer) -> None:
+    api = client(tiny)
+
+    def answer(seed: int) -> str:
+        return api.chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=12, temperature=1.0,
+                                           seed=seed, extra_body={"ignore_eos": True}).choices[0].message.content
+
+    assert answer(11) == answer(11)
+    assert answer(11) != answer(12)
+
+
+def test_completion_logprobs_layout(tiny: LoomServer) -> None:
+    done = client(tiny).completions.create(model="tiny-llama", prompt="hello world", max_tokens=5, temperature=0,
+                                           logprobs=3, extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    offset = 0
+    for token, logprob, top, start in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert start == offset
+        offset += len(token)
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values())), "greedy picks the most probable token"
+
+
+def test_chat_logprobs_layout(tiny: LoomServer) -> None:
+    done = client(tiny).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=4, temperature=0,
+                                                logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens == 4
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def test_stream_logprobs_match_non_stream(tiny: LoomServer) -> None:
+    api = client(tiny)
+    kwargs = dict(model="tiny-llama", prompt="hello world", max_tokens=6, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    whole = api.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(api.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_prompt_forms_batches_and_echo(tiny: LoomServer) -> None:
+    api = client(tiny)
+    batch = api.completions.create(model="tiny-llama", prompt=["one two", "three four"], n=2, max_tokens=3,
+                                   temperature=0, echo=True)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert all(c.text.startswith("one two") for c in batch.choices[:2])
+    assert all(c.text.startswith("three four") for c in batch.choices[2:])
+    ids = [1, 50, 60, 70]
+    by_ids = api.completions.create(model="tiny-llama", prompt=ids, max_tokens=3, temperature=0)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    lists = api.completions.create(model="tiny-llama", prompt=[ids, ids[:2]], max_tokens=3, temperature=0)
+    assert len(lists.choices) == 2 and lists.usage.prompt_tokens == 6
+    assert lists.choices[0].text == by_ids.choices[0].text
+
+
+def test_models_health_version_stats(tiny: LoomServer) -> None:
+    models = client(tiny).models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    assert client(tiny).models.retrieve("tiny-llama").id == "tiny-llama"
+    assert httpx.get(f"{tiny.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{tiny.url}/version").json()["version"]
+    stats = httpx.get(f"{tiny.url}/v1/loom/stats").json()
+    assert stats["model"] == "tiny-llama" and stats["max_model_len"] == 512
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage"} <= stats.keys()
+
+
+def test_playground_page_is_served(tiny: LoomServer) -> None:
+    page = httpx.get(f"{tiny.url}/")
+    assert page.status_code == 200 and "loom playground" in page.text
+    script = httpx.get(f"{tiny.url}/static/playground.js")
+    assert script.status_code == 200 and "getReader" in script.text
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+BAD_REQUESTS = [
+    # (id, path, raw body, status, param, words in the message)
+    ("malformed-json", COMPLETIONS, b'{"prompt": "hi", ', 400, None, "malformed JSON"),
+    ("not-an-object", COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
+    ("missing-prompt", COMPLETIONS, b"{}", 400, "prompt", "required"),
+    ("string-for-int", COMPLETIONS, b'{"prompt": "hi", "max_tokens": "4"}', 400, "max_tokens", "integer"),
+    ("float-for-int", COMPLETIONS, b'{"prompt": "hi", "n": 1.5}', 400, "n", "integer"),
+    ("negative-temperature", COMPLETIONS, b'{"prompt": "hi", "temperature": -1}', 400, "temperature", "0"),
+    ("zero-top-p", COMPLETIONS, b'{"prompt": "hi", "top_p": 0}', 400, "top_p", "0"),
+    ("too-many-logprobs", COMPLETIONS, b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs", "20"),
+    ("empty-stop", COMPLETIONS, b'{"prompt": "hi", "stop": [""]}', 400, "stop.0", "at least 1"),
+    ("min-tokens-above-max", COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "min_tokens": 5}', 400,
+     "min_tokens", "max_tokens"),
+    ("max-tokens-above-cap", COMPLETIONS, b'{"prompt": "hi", "max_tokens": 17}', 400, "max_tokens", "16"),
+    ("empty-prompt", COMPLETIONS, b'{"prompt": ""}', 400, "prompt", "at least 1"),
+    ("token-out-of-vocab", COMPLETIONS, b'{"prompt": [1, 99999999]}', 400, None, "token ids"),
+    ("prompt-too-long", COMPLETIONS, json.dumps({"prompt": "hello " * 1200}).encode(), 400, None, "context"),
+    ("unknown-model", COMPLETIONS, b'{"prompt": "hi", "model": "gpt-9"}', 404, "model", "does not exist"),
+    ("empty-messages", CHAT, b'{"messages": []}', 400, "messages", "at least 1"),
+    ("bad-role", CHAT, b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role", "user"),
+    ("image-part", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+     "messages.0.content.0.type", "'text'"),
+    ("top-logprobs-alone", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
+     "top_logprobs", "logprobs"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", [case[1:] for case in BAD_REQUESTS],
+                         ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_input_gets_an_openai_error(tiny: LoomServer, path: str, body: bytes, status: int, param: str | None,
+                                        words: str) -> None:
+    response = httpx.post(f"{tiny.url}{path}", content=body, headers={"Content-Type": "application/json"},
+                          timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert words in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_413(tiny: LoomServer) -> None:
+    response = httpx.post(f"{tiny.url}{COMPLETIONS}", content=b'{"prompt": "' + b"x" * (3 << 20) + b'"}',
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_route_and_client_errors(tiny: LoomServer) -> None:
+    response = httpx.get(f"{tiny.url}/v1/nope")
+    assert response.status_code == 404 and "error" in response.json()
+    with pytest.raises(openai.NotFoundError) as e:
+        client(tiny).completions.create(model="gpt-9", prompt="hi")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client(tiny).completions.create(model="tiny-llama", prompt="hi", temperature=-1)
+
+
+def test_model_without_chat_template_is_400(strict: LoomServer) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client(strict).chat.completions.create(model="tiny-spm", messages=QUESTION, max_tokens=2)
+    assert "no chat template" in e.value.message
+    assert e.value.code == "chat_template_error"
+
+
+def test_api_key_guards_v1_only(strict: LoomServer) -> None:
+    body = {"prompt": "hi", "max_tokens": 1}
+    missing = httpx.post(f"{strict.url}{COMPLETIONS}", json=body)
+    wrong = httpx.post(f"{strict.url}{COMPLETIONS}", json=body, headers={"Authorization": "Bearer nope"})
+    for response in (missing, wrong):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{strict.url}/v1/models").status_code == 401
+    ok = httpx.post(f"{strict.url}{COMPLETIONS}", json=body, headers=strict.headers(), timeout=30)
+    assert ok.status_code == 200
+    assert httpx.get(f"{strict.url}/health").status_code == 200
+    assert httpx.get(f"{strict.url}/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=strict.base_url, api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client(strict).models.list().data] == ["tiny-spm"]
+
+
+# -- load, disconnects, metrics ----------------------------------------------------------------------
+
+
+def _idle(server: LoomServer) -> bool:
+    s = scrape(server)
+    return (metric(s, "vllm:num_requests_running") == 0 and metric(s, "vllm:num_requests_waiting") == 0
+            and metric(s, "vllm:kv_cache_usage_perc") == 0)
+
+
+def test_full_queue_is_429_and_server_keeps_serving(strict: LoomServer) -> None:
+    """With one request running and one waiting (each ~1 s of generation), more are refused
+    with 429 while the server keeps answering; the two accepted ones complete."""
+    wait_for(lambda: _idle(strict), what="an idle server")
+    body = {"prompt": "hello", "max_tokens": 600, "ignore_eos": True}
+
+    async def until(name: str, value: float) -> None:
+        for _ in range(200):
+            if metric(await asyncio.to_thread(scrape, strict), name) == value:
+                return
+            await asyncio.sleep(0.02)
+        pytest.fail(f"{name} never reached {value}")
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=strict.url, headers=strict.headers(), timeout=120) as http:
+            running = asyncio.create_task(http.post(COMPLETIONS, json=body))
+            await until("vllm:num_requests_running", 1)
+            waiting = asyncio.create_task(http.post(COMPLETIONS, json=body))
+            await until("vllm:num_requests_waiting", 1)
+            refused = await asyncio.gather(*[http.post(COMPLETIONS, json=body) for _ in range(4)])
+            health = await http.get("/health")
+            with pytest.raises(openai.RateLimitError) as e:
+                await asyncio.to_thread(client(strict).completions.create, model="tiny-spm", prompt="hi",
+                                        max_tokens=1)
+            assert e.value.code == "queue_full"
+            return [await running, await waiting], refused, health
+
+    accepted, refused, health = asyncio.run(scenario())
+    assert health.status_code == 200
+    for r in refused:
+        assert r.status_code == 429
+        assert r.headers["Retry-After"].isdigit()
+        assert r.json()["error"]["code"] == "queue_full"
+    for r in accepted:
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 600
+    later = client(strict).completions.create(model="tiny-spm", prompt="hello", max_tokens=4)
+    assert later.choices[0].finish_reason in ("length", "stop")
+
+
+def test_disconnect_mid_stream_frees_blocks(strict: LoomServer) -> None:
+    wait_for(lambda: _idle(strict), what="an idle server")
+    aborted = metric(scrape(strict), "vllm:request_success_total", finished_reason="abort")
+    body = {"prompt": "hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=strict.url, headers=strict.headers(), timeout=60) as http:
+        with http.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(8)]
+            assert any(line.startswith("data: {") for line in received)
+            s = scrape(strict)
+            assert metric(s, "vllm:num_requests_running") == 1
+            assert metric(s, "vllm:kv_cache_usage_perc") > 0
+    # leaving the blocks closed the connection mid-stream
+    wait_for(lambda: _idle(strict), timeout=10, what="the aborted stream's blocks to be freed")
+    assert metric(scrape(strict), "vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(strict: LoomServer) -> None:
+    wait_for(lambda: _idle(strict), what="an idle server")
+    aborted = metric(scrape(strict), "vllm:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{strict.url}{COMPLETIONS}", json={"prompt": "hello", "max_tokens": 3000, "ignore_eos": True},
+                   headers=strict.headers(), timeout=1.0)
+    wait_for(lambda: _idle(strict), timeout=10, what="the abandoned request's blocks to be freed")
+    assert metric(scrape(strict), "vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_metrics_use_vllm_names(tiny: LoomServer) -> None:
+    client(tiny).completions.create(model="tiny-llama", prompt="metrics please", max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    s = scrape(tiny)
+    label = {"model_name": "tiny-llama"}
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "vllm:gpu_cache_usage_perc"):
+        assert metric(s, gauge, **label) >= 0
+    for counter in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total"):
+        assert metric(s, counter, **label) > 0
+    assert metric(s, "vllm:prefix_cache_hits_total", **label) >= 0
+    assert metric(s, "vllm:num_preemptions_total", **label) >= 0
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                      "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert metric(s, f"{histogram}_count", **label) >= 1
+        assert metric(s, f"{histogram}_bucket", le="+Inf", **label) >= 1
+    assert metric(s, "vllm:request_success_total", finished_reason="length", **label) >= 1
+    assert metric(s, "vllm:inter_token_latency_seconds_sum", **label) > 0
+
+
+# -- the schema -------------------------------------------------------------------------------------
+
+
+def test_openapi_documents_every_endpoint(tiny: LoomServer) -> None:
+    spec = httpx.get(f"{tiny.url}/openapi.json").json()
+    expected = {("/v1/completions", "post"): "CompletionResponse",
+                ("/v1/chat/completions", "post"): "ChatCompletionResponse",
+                ("/v1/models", "get"): "ModelList", ("/v1/models/{model_id}", "get"): "ModelCard",
+                ("/v1/loom/stats", "get"): "StatsResponse", ("/health", "get"): "HealthResponse",
+                ("/version", "get"): "VersionResponse"}
+    for (path, method), model in expected.items():
+        ok = spec["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert ok == {"$ref": f"#/components/schemas/{model}"}, (path, ok)
+    assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "404", "413", "429"} <= responses.keys() and "422" not in responses
+        assert "text/event-stream" in responses["200"]["content"]
+        assert responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    assert {"CompletionStreamResponse", "ChatCompletionChunk"} <= spec["components"]["schemas"].keys()
+
+
+def test_schemathesis_finds_no_server_errors(tiny: LoomServer, tmp_path) -> None:
+    """Every operation of /openapi.json with 30 schema-valid and 30 schema-violating requests:
+    no 5xx, and every answer matches the documented status codes, content types and schemas
+    (streamed events included)."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.configuration import set_hypothesis_home_dir
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    set_hypothesis_home_dir(tmp_path)  # hypothesis's caches stay out of the working tree
+    schema = schemathesis.openapi.from_url(f"{tiny.url}/openapi.json")
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    failures: list[str] = []
+    runs = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            def run(case) -> None:
+                response = case.call(base_url=tiny.url, timeout=60)
+                case.validate_response(response, checks=checks)
+
+            try:
+                run()
+                runs += 1
+            except Unsatisfiable:
+                assert mode is schemathesis.GenerationMode.NEGATIVE  # an operation with no input to break
+            except Exception as e:  # noqa: BLE001 - collect every operation's failure, report together
+                failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}): {e}")
+    set_hypothesis_home_dir(None)
+    assert runs >= 11, "every operation once, and the four with inputs also with invalid ones"
+    assert not failures, "\n\n".join(failures)
+
+
+# -- last: the logs ---------------------------------------------------------------------------------
+
+
+def test_servers_logged_no_tracebacks(server_pool) -> None:
+    """Everything above (bad input, overload, disconnects, fuzzing) left no traceback in any log."""
+    for server in server_pool.servers.values():
+        assert server.process.poll() is None, f"server {server.name} died"
+        assert not server.logged_tracebacks(), f"{server.name}:\n{server.logged_tracebacks()[0]}"
