@@ -1,0 +1,54 @@
+"""loom itself, driven through `Engine.add_request` / `Engine.step` as `LLM.generate` does.
+
+Prefix caching is off (the prefill prompt and the concurrency prompts must be computed, not
+served from cache, as in the other engines) and the KV cache holds exactly the bench's capacity,
+so peak RSS is comparable with llama.cpp's context sized the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from loom.bench.peers.base import Peer, RunTiming, now, request_timing
+
+BLOCK_SIZE = 16
+
+
+class LoomPeer(Peer):
+    def load(self) -> None:
+        from loom.config import EngineConfig, LoadConfig, SchedulerConfig
+        from loom.engine.engine import Engine
+
+        dtype = self.options.get("dtype", LoadConfig().dtype)
+        max_seqs = max(SchedulerConfig().max_num_seqs, self.capacity.max_seqs)
+        config = EngineConfig.create(str(self.model_path), dtype=dtype, threads=self.threads,
+                                     enable_prefix_caching=False, block_size=BLOCK_SIZE,
+                                     num_blocks=self.capacity.blocks(BLOCK_SIZE) + 1, max_num_seqs=max_seqs)
+        self.engine = Engine(config)
+        self.info.update(dtype=dtype, model_load_seconds=self.engine.load_seconds, prefix_caching=False,
+                         kv_blocks=config.cache.num_blocks, block_size=BLOCK_SIZE,
+                         max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        self.notes.append(f"dtype {dtype}, prefix caching off, KV cache sized to the workload")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
+        from loom.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine = self.engine
+        start = now()
+        ids = [engine.add_request({"prompt_token_ids": list(p)}, params) for p in prompts]
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        wall = now() - start
+        timings = []
+        for rid in ids:
+            out = finished[rid]
+            m = out.metrics
+            if m is None or m.first_token_time is None or m.last_token_time is None:
+                raise RuntimeError(f"request {rid} finished without token timestamps")
+            timings.append(request_timing(m.arrival_time, m.first_token_time, m.last_token_time,
+                                          len(out.outputs[0].token_ids)))
+        return RunTiming(wall, timings)
