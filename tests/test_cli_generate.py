@@ -1,0 +1,129 @@
+"""`loom generate`: one prompt in, the completion streamed to stdout.
+
+In-process first (exact stream writes), then the real command in a subprocess on the tiny
+models, and once on SmolLM2 with --chat.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def loom_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "loom.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def expected(model: str | Engine, prompt: str, chat: bool = False, **params) -> tuple[str, list[str]]:
+    """(text, deltas) the engine produces for the same request."""
+    engine = model if isinstance(model, Engine) else Engine(EngineConfig.create(model))
+    tok = engine.tokenizer
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        request = {"prompt": tok.apply_chat_template(messages), "prompt_token_ids": tok.encode_chat(messages)}
+    else:
+        request = prompt
+    engine.add_request(request, SamplingParams(**params), request_id="r")
+    deltas, text = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].delta_text)
+            if out.finished:
+                text = out.outputs[0].text
+    return text, [d for d in deltas if d]
+
+
+class Recorder:
+    """A stdout stand-in that logs every write and flush, in order."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def write(self, s: str) -> int:
+        self.events.append(("write", s))
+        return len(s)
+
+    def flush(self) -> None:
+        self.events.append(("flush", ""))
+
+
+def test_generate_streams_each_delta_and_flushes_it(tiny_llama_path, monkeypatch):
+    from loom import cli
+
+    text, deltas = expected(str(tiny_llama_path), "Once upon a time", temperature=0.9, seed=3, max_tokens=30,
+                            ignore_eos=True)
+    assert len(deltas) > 10
+    out = Recorder()
+    monkeypatch.setattr(sys, "stdout", out)
+    cli.generate(prompt="Once upon a time", model=str(tiny_llama_path), max_tokens=30, temperature=0.9,
+                 top_p=1.0, top_k=0, seed=3, chat=False, threads=1, ignore_eos=True)
+    want = []
+    for d in deltas + ["\n"]:
+        want += [("write", d), ("flush", "")]
+    assert out.events == want
+    assert "".join(deltas) == text
+
+
+def test_generate_greedy_matches_the_engine(tiny_llama_path):
+    text, _ = expected(str(tiny_llama_path), "The river runs", temperature=0.0, max_tokens=12)
+    res = loom_cli("generate", "-m", str(tiny_llama_path), "The river runs", "--max-tokens", "12",
+                   "--temperature", "0", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == text + "\n"
+
+
+def test_generate_with_a_seed_is_reproducible(tiny_gemma3_path):
+    args = ["generate", "-m", str(tiny_gemma3_path), "Hello, world!", "--max-tokens", "20",
+            "--temperature", "0.8", "--seed", "42", "--threads", "1"]
+    res = loom_cli(*args)
+    assert res.returncode == 0, res.stderr
+    # the request's own seeded sampler: the same text as any other run with that seed
+    text, _ = expected(str(tiny_gemma3_path), "Hello, world!", temperature=0.8, seed=42, max_tokens=20)
+    assert res.stdout == text + "\n"
+
+
+def test_generate_chat_applies_the_template(tiny_llama_path):
+    text, _ = expected(str(tiny_llama_path), "How are you today?", chat=True, temperature=0.0, max_tokens=10,
+                       ignore_eos=True)
+    res = loom_cli("generate", "-m", str(tiny_llama_path), "How are you today?", "--chat", "--max-tokens", "10",
+                   "--temperature", "0", "--ignore-eos", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == text + "\n"
+
+
+def test_generate_chat_without_a_template_is_a_one_line_error(tiny_gemma3_path):
+    res = loom_cli("generate", "-m", str(tiny_gemma3_path), "hi", "--chat", "--threads", "1")
+    assert res.returncode == 1
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "no chat template" in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_generate_rejects_bad_parameters_in_one_line(tiny_llama_path):
+    res = loom_cli("generate", "-m", str(tiny_llama_path), "hi", "--temperature", "-1")
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "temperature" in lines[0] and "Traceback" not in res.stderr
+
+
+@pytest.mark.real_model
+def test_generate_chat_on_smollm2(real_models):
+    res = loom_cli("generate", "-m", "smollm2-135m", "What is the capital of France?", "--chat",
+                   "--max-tokens", "16", "--temperature", "0")
+    assert res.returncode == 0, res.stderr
+    text, _ = expected(real_models.engine("smollm2-135m"), "What is the capital of France?", chat=True, temperature=0.0, max_tokens=16)
+    assert res.stdout == text + "\n"
+    assert "Paris" in res.stdout

@@ -1,0 +1,897 @@
+"""Engine core: the scheduler on its own (fake runner outputs), then the whole engine.
+
+Layers, cheapest first:
+  1. Scheduler with hand-made RunnerOutputs: exact grants, block tables, preemption order,
+     stop conditions and block accounting (milliseconds, no model).
+  2. Engine on the tiny random llama: request validation, abort, priority, chunked prefill
+     next to decodes, stop strings in the stream, sampling and logprobs (seconds).
+  3. Engine on the real SmolLM2: batch invariance across block sizes, token budgets and
+     arrival times; preemption and prefix caching with real text.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.engine.engine import Engine
+from loom.engine.request import Request, RequestStatus
+from loom.engine.scheduler import NewRequestData, RunnerOutput, ScheduledSeq, Scheduler
+from loom.errors import InvalidRequestError
+from loom.model.runner import score
+from loom.sampling_params import SamplingParams
+
+EOS = 2
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+# =============================================================================================
+# 1. Scheduler with a fake runner
+# =============================================================================================
+
+
+def make_scheduler(budget: int = 64, max_seqs: int | None = None, block_size: int = 4, num_blocks: int = 32,
+                   max_model_len: int = 128, prefix_caching: bool = False) -> Scheduler:
+    max_seqs = min(8, budget) if max_seqs is None else max_seqs
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+                     num_blocks, max_model_len)
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, first: int = 100,
+                 prompt: list[int] | None = None, **params) -> Request:
+    ids = list(prompt) if prompt is not None else list(range(first, first + prompt_len))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    return Request(rid, ids, sp, max_tokens, priority=priority, eos_token_ids=frozenset({EOS}))
+
+
+class FakeRunner:
+    """Samples a scripted token per request (default 7) for every sequence that asks for one."""
+
+    def __init__(self, tokens: dict[str, list[int]] | None = None):
+        self.tokens = {k: list(v) for k, v in (tokens or {}).items()}
+        self.known: set[str] = set()
+
+    def __call__(self, out) -> RunnerOutput:
+        for rid in out.finished_req_ids:
+            assert rid in self.known, f"runner told to drop unknown request {rid}"
+            self.known.discard(rid)
+        for new in out.new_requests:
+            assert new.req_id not in self.known, f"request {new.req_id} announced twice"
+            self.known.add(new.req_id)
+        sampled = {}
+        for seq in out.seqs:
+            assert seq.req_id in self.known, f"request {seq.req_id} scheduled before it was announced"
+            if seq.sample:
+                script = self.tokens.get(seq.req_id)
+                sampled[seq.req_id] = [script.pop(0) if script else 7]
+        return RunnerOutput(sampled)
+
+
+def step(s: Scheduler, runner: FakeRunner):
+    out = s.schedule()
+    s.update(out, runner(out))
+    s.kv.check_integrity()
+    return out
+
+
+def grants(out) -> list[tuple[str, int]]:
+    return [(q.req_id, len(q.token_ids)) for q in out.seqs]
+
+
+def run_to_end(s: Scheduler, runner: FakeRunner, limit: int = 500) -> list:
+    outs = []
+    while s.has_unfinished():
+        outs.append(step(s, runner))
+        assert len(outs) < limit, "scheduler made no progress"
+    return outs
+
+
+def test_prompt_is_prefilled_in_chunks_then_decoded():
+    s, runner = make_scheduler(budget=4), FakeRunner({"a": [11, 12]})
+    a = make_request("a", 10, max_tokens=2)
+    s.add(a)
+    out = step(s, runner)
+    assert out.seqs == [ScheduledSeq("a", [100, 101, 102, 103], 0, [0], False)]
+    assert out.new_requests == [NewRequestData("a", list(range(100, 110)), a.params)]
+    out = step(s, runner)
+    assert out.seqs == [ScheduledSeq("a", [104, 105, 106, 107], 4, [0, 1], False)]
+    assert out.new_requests == []
+    out = step(s, runner)
+    assert out.seqs == [ScheduledSeq("a", [108, 109], 8, [0, 1, 2], True)]
+    assert a.output_token_ids == [11] and a.num_computed_tokens == 10 and a.status is RequestStatus.RUNNING
+    out = step(s, runner)
+    assert out.seqs == [ScheduledSeq("a", [11], 10, [0, 1, 2], True)]
+    assert a.output_token_ids == [11, 12]
+    assert a.status is RequestStatus.FINISHED_LENGTH and not s.has_unfinished()
+    assert s.kv.num_free_blocks() == 32 and s.kv.block_table("a") == []
+    out = s.schedule()
+    assert out.seqs == [] and out.finished_req_ids == ["a"]
+    assert s.schedule().finished_req_ids == []  # reported once
+    assert s.stats.prompt_tokens == 10 and s.stats.generation_tokens == 2
+
+
+def test_decodes_are_granted_before_prefill_chunks():
+    s, runner = make_scheduler(budget=4), FakeRunner()
+    s.add(make_request("a", 3, max_tokens=10))
+    assert grants(step(s, runner)) == [("a", 3)]
+    s.add(make_request("b", 9, max_tokens=1, first=200))
+    per_step = [grants(step(s, runner)) for _ in range(4)]
+    assert per_step == [[("a", 1), ("b", 3)], [("a", 1), ("b", 3)], [("a", 1), ("b", 3)], [("a", 1)]]
+    assert s.requests["a"].num_output_tokens == 5
+
+
+def test_budget_is_spent_in_arrival_order_and_a_prompt_may_start_with_a_partial_chunk():
+    s, runner = make_scheduler(budget=8), FakeRunner()
+    for i, rid in enumerate("abc"):
+        s.add(make_request(rid, 5, max_tokens=1, first=100 * (i + 1)))
+    out = step(s, runner)
+    assert grants(out) == [("a", 5), ("b", 3)]
+    assert [q.sample for q in out.seqs] == [True, False]
+    assert s.requests.keys() == {"b", "c"}  # a finished (max_tokens=1)
+    assert grants(step(s, runner)) == [("b", 2), ("c", 5)]
+    assert not s.has_unfinished()
+
+
+def test_max_num_seqs_limits_running_requests():
+    s, runner = make_scheduler(budget=64, max_seqs=2), FakeRunner()
+    for i, rid in enumerate("abc"):
+        s.add(make_request(rid, 2, max_tokens=3, first=100 * (i + 1)))
+    assert grants(step(s, runner)) == [("a", 2), ("b", 2)]
+    assert grants(step(s, runner)) == [("a", 1), ("b", 1)]
+    assert grants(step(s, runner)) == [("a", 1), ("b", 1)]
+    assert grants(step(s, runner)) == [("c", 2)]
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    s, runner = make_scheduler(budget=64, max_seqs=1), FakeRunner()
+    s.add(make_request("late-low", 2, max_tokens=1, priority=5))
+    s.add(make_request("urgent", 2, max_tokens=1, priority=-1, first=200))
+    s.add(make_request("normal-1", 2, max_tokens=1, priority=0, first=300))
+    s.add(make_request("normal-2", 2, max_tokens=1, priority=0, first=400))
+    order = [out.seqs[0].req_id for out in run_to_end(s, runner)]
+    assert order == ["urgent", "normal-1", "normal-2", "late-low"]
+
+
+def _three_full_requests(priorities=(0, 0, 0)):
+    """6 blocks of 4: three 7-token prompts fill them all; each request's 9th token needs a new block."""
+    s, runner = make_scheduler(budget=64, num_blocks=6), FakeRunner()
+    reqs = [make_request(rid, 7, max_tokens=4, priority=p, first=100 * (i + 1))
+            for i, (rid, p) in enumerate(zip("abc", priorities))]
+    for r in reqs:
+        s.add(r)
+    assert sorted(grants(step(s, runner))) == [("a", 7), ("b", 7), ("c", 7)]
+    assert sorted(grants(step(s, runner))) == [("a", 1), ("b", 1), ("c", 1)]  # position 7: still block 2 of each
+    assert s.kv.num_free_blocks() == 0
+    return s, runner, reqs
+
+
+def test_preemption_takes_the_latest_arrival_first():
+    s, runner, (a, b, c) = _three_full_requests()
+    out = step(s, runner)
+    assert out.preempted_req_ids == ["c"]
+    assert grants(out) == [("a", 1), ("b", 1)]
+    # c's two blocks went to a and b, freed last-block first
+    assert [q.block_table for q in out.seqs] == [[0, 1, 5], [2, 3, 4]]
+    assert c.status is RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert s.stats.num_preemptions == 1 and s.waiting == [c] and s.kv.block_table("c") == []
+    assert c.output_token_ids == [7, 7]  # kept: recomputed with the prompt later
+
+
+def test_preemption_takes_the_least_urgent_priority_first():
+    s, runner, (a, b, c) = _three_full_requests(priorities=(3, 0, 0))
+    out = step(s, runner)
+    assert out.preempted_req_ids == ["a"]
+    assert grants(out) == [("b", 1), ("c", 1)]
+
+
+def test_request_preempts_itself_when_it_is_the_least_urgent():
+    s, runner = make_scheduler(budget=64, num_blocks=4), FakeRunner()
+    s.add(make_request("a", 7, max_tokens=8, priority=0))
+    s.add(make_request("b", 7, max_tokens=8, priority=1, first=200))
+    step(s, runner)
+    step(s, runner)
+    out = step(s, runner)  # a (more urgent) needs a 3rd block: b gives its blocks up
+    assert out.preempted_req_ids == ["b"] and grants(out) == [("a", 1)]
+    # a fills its blocks; b must wait for a to finish, then is recomputed with its output
+    outs = run_to_end(s, runner)
+    readmit = next(o for o in outs if any(q.req_id == "b" for q in o.seqs))
+    b_seq = readmit.seqs[0]
+    assert b_seq.req_id == "b" and b_seq.start_pos == 0 and b_seq.sample
+    assert b_seq.token_ids == list(range(200, 207)) + [7, 7]
+    assert readmit.new_requests == []  # the runner kept b's state
+    assert s.stats.num_preemptions == 1
+    assert s.kv.num_free_blocks() == 4
+
+
+def test_preempted_request_is_not_readmitted_in_the_same_step():
+    s, runner, (a, b, c) = _three_full_requests()
+    out = step(s, runner)
+    assert "c" in out.preempted_req_ids and all(q.req_id != "c" for q in out.seqs)
+
+
+def test_preemption_keeps_every_request_and_frees_every_block():
+    s, runner = make_scheduler(budget=16, num_blocks=8, max_seqs=8), FakeRunner()
+    for i in range(8):
+        s.add(make_request(f"r{i}", 5 + i % 3, max_tokens=6 + i % 4, first=50 * i))
+    outs = run_to_end(s, runner)
+    assert s.stats.num_preemptions > 0
+    assert s.kv.num_free_blocks() == 8 and s.kv.usage() == 0.0
+    assert s.stats.generation_tokens == sum(6 + i % 4 for i in range(8))
+    assert sum(len(o.preempted_req_ids) for o in outs) == s.stats.num_preemptions
+
+
+def test_abort_frees_blocks_and_tells_the_runner_once():
+    s, runner = make_scheduler(budget=64), FakeRunner()
+    s.add(make_request("a", 9, max_tokens=10))
+    s.add(make_request("b", 3, max_tokens=10, first=200))
+    step(s, runner)
+    assert s.kv.num_free_blocks() == 32 - 3 - 1
+    req = s.finish("a", RequestStatus.FINISHED_ABORTED)
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_free_blocks() == 32 - 1 and s.running == [s.requests["b"]]
+    out = step(s, runner)
+    assert out.finished_req_ids == ["a"] and grants(out) == [("b", 1)]
+    assert s.finish("a", RequestStatus.FINISHED_ABORTED) is None
+
+
+def test_abort_of_a_waiting_request_is_not_sent_to_the_runner():
+    s, runner = make_scheduler(budget=64, max_seqs=1), FakeRunner()
+    s.add(make_request("a", 3, max_tokens=2))
+    s.add(make_request("b", 3, max_tokens=2, first=200))
+    step(s, runner)
+    s.finish("b", RequestStatus.FINISHED_ABORTED)
+    outs = run_to_end(s, runner)
+    assert all(o.finished_req_ids == [] for o in outs)
+    assert s.schedule().finished_req_ids == ["a"]
+    assert s.kv.num_free_blocks() == 32
+
+
+def test_abort_of_a_preempted_request_is_sent_to_the_runner():
+    s, runner, (a, b, c) = _three_full_requests()
+    step(s, runner)
+    assert c.status is RequestStatus.PREEMPTED
+    s.finish("c", RequestStatus.FINISHED_ABORTED)
+    assert s.schedule().finished_req_ids == ["c"]
+
+
+@pytest.mark.parametrize("params, script, want_tokens, want_status, want_reason", [
+    (dict(), [5, EOS, 6], [5, EOS], RequestStatus.FINISHED_STOPPED, None),
+    (dict(ignore_eos=True), [5, EOS, 6, 8], [5, EOS, 6, 8], RequestStatus.FINISHED_LENGTH, None),
+    (dict(stop_token_ids=[6]), [5, 6, 8], [5, 6], RequestStatus.FINISHED_STOPPED, 6),
+    (dict(min_tokens=3), [EOS, EOS, EOS, EOS], [EOS, EOS, EOS], RequestStatus.FINISHED_STOPPED, None),
+    (dict(), [5, 6, 8, 9, 10], [5, 6, 8, 9], RequestStatus.FINISHED_LENGTH, None),
+])
+def test_stop_conditions(params, script, want_tokens, want_status, want_reason):
+    s, runner = make_scheduler(), FakeRunner({"a": script})
+    a = make_request("a", 3, max_tokens=4, **params)
+    s.add(a)
+    run_to_end(s, runner)
+    assert a.output_token_ids == want_tokens
+    assert a.status is want_status and a.stop_reason == want_reason
+    assert s.kv.num_free_blocks() == 32
+
+
+def test_context_limit_ends_a_request_with_length():
+    s, runner = make_scheduler(max_model_len=12), FakeRunner()
+    a = make_request("a", 9, max_tokens=100)
+    s.add(a)
+    run_to_end(s, runner)
+    assert a.num_tokens == 12 and a.num_output_tokens == 3 and a.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_prefix_hit_skips_cached_blocks_and_shares_them():
+    s, runner = make_scheduler(budget=64, prefix_caching=True), FakeRunner()
+    shared = list(range(100, 108))
+    s.add(make_request("a", 0, max_tokens=2, prompt=shared + [1, 2]))
+    step(s, runner)
+    s.add(make_request("b", 0, max_tokens=2, prompt=shared + [3, 4, 5]))
+    out = step(s, runner)
+    b_seq = next(q for q in out.seqs if q.req_id == "b")
+    assert b_seq == ScheduledSeq("b", [3, 4, 5], 8, [0, 1, 3], True)
+    assert s.requests["b"].num_cached_tokens == 8
+    assert s.kv.stats.prefix_cache_hits == 8
+    assert s.stats.prompt_tokens == 10 + 3
+    run_to_end(s, runner)
+    assert s.kv.num_free_blocks() == 32
+
+
+def test_same_tokens_after_a_different_prefix_are_not_a_hit():
+    s, runner = make_scheduler(budget=64, prefix_caching=True), FakeRunner()
+    s.add(make_request("a", 0, max_tokens=1, prompt=[1, 2, 3, 4, 50, 51, 52, 53, 9]))
+    step(s, runner)
+    s.add(make_request("b", 0, max_tokens=1, prompt=[5, 6, 7, 8, 50, 51, 52, 53, 9]))
+    out = step(s, runner)
+    assert out.seqs[0].start_pos == 0 and s.kv.stats.prefix_cache_hits == 0
+
+
+def test_prompt_of_whole_blocks_leaves_its_last_block_to_compute():
+    s, runner = make_scheduler(budget=64, prefix_caching=True), FakeRunner()
+    prompt = list(range(100, 108))
+    s.add(make_request("a", 0, max_tokens=1, prompt=prompt))
+    step(s, runner)  # a: blocks [0, 1], both cached; freed last first -> free queue ends 1, 0
+    s.add(make_request("b", 0, max_tokens=1, prompt=prompt))
+    out = step(s, runner)
+    assert out.seqs == [ScheduledSeq("b", [104, 105, 106, 107], 4, [0, 2], True)]
+    assert out.block_copies == []
+    assert s.requests == {} and s.kv.num_free_blocks() == 32
+
+
+def test_prompt_tokens_count_single_token_chunks():
+    s, runner = make_scheduler(budget=4), FakeRunner()
+    s.add(make_request("a", 5, max_tokens=1))
+    run_to_end(s, runner)
+    assert s.stats.prompt_tokens == 5
+
+
+# =============================================================================================
+# 2. Engine on the tiny random llama
+# =============================================================================================
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_llama_path):
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+    from loom.model.loader import load_model
+
+    f = GGUFFile.open(tiny_llama_path)
+    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
+
+
+@pytest.fixture
+def make_tiny(tiny_parts):
+    """Engines over the tiny llama; block size 4 so that short prompts span several blocks."""
+    path, model, tok = tiny_parts
+
+    def make(**options) -> Engine:
+        opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64) | options
+        opts.setdefault("max_num_seqs", min(16, opts["max_num_batched_tokens"]))
+        return Engine(EngineConfig.create(str(path), **opts), model=model, tokenizer=tok)
+
+    return make
+
+
+def drain(engine: Engine, check=None) -> tuple[dict[str, object], list[list]]:
+    """Steps until idle; returns each request's final output and every step's outputs."""
+    final, steps = {}, []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        steps.append(outs)
+        for o in outs:
+            if o.finished:
+                assert o.request_id not in final, f"{o.request_id} finished twice"
+                final[o.request_id] = o
+        if check is not None:
+            check(engine)
+        assert len(steps) < 5000, "engine made no progress"
+    return final, steps
+
+
+def text_prompt(tok, n: int, skip: int = 0) -> list[int]:
+    """n tokens of Spec-Bench text (the `skip`-th turn long enough)."""
+    from conftest import spec_bench_questions
+
+    found = 0
+    for q in spec_bench_questions():
+        for turn in q["turns"]:
+            ids = tok.encode(turn)
+            if len(ids) >= n:
+                if found == skip:
+                    return ids[:n]
+                found += 1
+    raise AssertionError(f"no Spec-Bench turn of {n} tokens")
+
+
+def run_alone(make, prompt, params: SamplingParams, **options):
+    engine = make(**options)
+    engine.add_request({"prompt_token_ids": prompt}, params, request_id="alone")
+    final, _ = drain(engine)
+    return final["alone"]
+
+
+def test_invalid_requests_are_refused_at_add_request(make_tiny):
+    engine = make_tiny()
+    vocab = engine.model.cfg.vocab_size
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    mutated = SamplingParams()
+    mutated.temperature = -0.5  # assigned after construction: checked again by the engine
+    bad = [
+        ("hello", mutated, "temperature"),
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "empty"),
+        ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+        ([1] * engine.max_model_len, SamplingParams(), "context limit"),
+        ([1, vocab], SamplingParams(), "token ids"),
+        ([1, -1], SamplingParams(), "token ids"),
+        (3.5, SamplingParams(), "prompt must be"),
+        ({"text": "hi"}, SamplingParams(), "prompt_token_ids"),
+        ("hello", {"temperature": 0}, "SamplingParams"),
+    ]
+    for prompt, params, message in bad:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request(prompt, params)
+    with pytest.raises(InvalidRequestError, match="priority"):
+        engine.add_request("hello", SamplingParams(), priority="high")
+    assert engine.add_request("hello", SamplingParams(max_tokens=2), request_id="x") == "x"
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("world", SamplingParams(), request_id="x")
+    assert not engine.scheduler.waiting[1:], "a refused request was queued"
+    final, _ = drain(engine)
+    assert list(final) == ["x"]
+    assert engine.add_request("again", SamplingParams(max_tokens=1), request_id="x") == "x"  # free once finished
+    drain(engine)
+
+
+def test_generated_ids_never_collide_with_callers_ids(make_tiny):
+    engine = make_tiny()
+    engine.add_request("a", SamplingParams(max_tokens=3), request_id="0")
+    rid = engine.add_request("b", SamplingParams(max_tokens=3))
+    assert rid != "0"
+    final, _ = drain(engine)
+    assert sorted(final) == sorted(["0", rid])
+
+
+def test_llm_generate_adds_all_or_nothing(tiny_parts, make_tiny):
+    from loom.llm import LLM
+
+    llm = LLM.from_engine(make_tiny())
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", "", "also fine"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="priorities"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0])
+    outs = llm.generate(["one", "two"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["one", "two"]
+    assert llm.engine.kv.usage() == 0.0
+
+
+def test_prompt_near_the_context_limit_is_cut_by_length(make_tiny):
+    engine = make_tiny()
+    n = engine.max_model_len - 5
+    engine.add_request([3 + i % 400 for i in range(n)], SamplingParams(max_tokens=100, **GREEDY), request_id="r")
+    final, _ = drain(engine)
+    out = final["r"].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_abort_returns_abort_and_frees_blocks(make_tiny):
+    engine = make_tiny()
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    for i in range(3):
+        engine.add_request(text_prompt(engine.tokenizer, 30, skip=i), sp, request_id=f"r{i}")
+    for _ in range(4):
+        engine.step()
+        engine.kv.check_integrity()
+    held = engine.kv.num_free_blocks()
+    out = engine.abort("r1")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert len(out.outputs[0].token_ids) == 4  # one from the prefill step, one per decode step
+    assert engine.kv.num_free_blocks() > held
+    engine.kv.check_integrity()
+    assert engine.abort("r1") is None and engine.abort("nope") is None
+    final, steps = drain(engine, check=lambda e: e.kv.check_integrity())
+    assert sorted(final) == ["r0", "r2"]
+    assert all(o.request_id != "r1" for outs in steps for o in outs)
+    assert engine.kv.usage() == 0.0 and engine.kv.num_free_blocks() == 512
+    assert engine.runner.states == {} or set(engine.runner.states) <= {"r0", "r2"}
+
+
+def test_abort_of_a_waiting_request(make_tiny):
+    engine = make_tiny(max_num_seqs=1)
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    engine.add_request("first", sp, request_id="a")
+    engine.add_request("second", sp, request_id="b")
+    engine.step()
+    out = engine.abort("b")
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    final, _ = drain(engine)
+    assert list(final) == ["a"] and engine.kv.usage() == 0.0
+
+
+def test_more_urgent_later_request_runs_first_with_one_slot(make_tiny):
+    engine = make_tiny(max_num_seqs=1)
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    engine.add_request("the early one", sp, request_id="early", priority=1)
+    engine.add_request("the later one", sp, request_id="later", priority=0)
+    engine.add_request("the latest one", sp, request_id="latest", priority=-3)
+    _, steps = drain(engine)
+    order = []
+    for outs in steps:
+        assert len(outs) == 1  # one slot: one request per step
+        if not order or order[-1] != outs[0].request_id:
+            order.append(outs[0].request_id)
+    assert order == ["latest", "later", "early"]
+
+
+def test_chunked_prefill_never_stalls_running_decodes(make_tiny):
+    engine = make_tiny(max_num_batched_tokens=16)
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    engine.scheduler.schedule = recording_schedule
+    sp = SamplingParams(max_tokens=60, **GREEDY)
+    short = [f"s{i}" for i in range(3)]
+    for i, rid in enumerate(short):
+        engine.add_request(text_prompt(engine.tokenizer, 4, skip=i), sp, request_id=rid, priority=1)
+    engine.step()
+    # decodes go first even when the prompt being prefilled is more urgent
+    engine.add_request(text_prompt(engine.tokenizer, 150, skip=5), SamplingParams(max_tokens=2, **GREEDY),
+                       request_id="long", priority=0)
+    prefill_steps = 0
+    while engine.scheduler.requests["long"].num_output_tokens == 0:
+        outs = engine.step()
+        plan = plans[-1]
+        by_id = {q.req_id: q for q in plan.seqs}
+        assert plan.num_tokens <= 16
+        for rid in short:
+            assert len(by_id[rid].token_ids) == 1 and by_id[rid].sample, f"{rid} stalled"
+        assert len(by_id["long"].token_ids) == min(13, 150 - by_id["long"].start_pos)  # the rest of the budget
+        assert {o.request_id for o in outs if o.outputs[0].delta_token_ids} >= set(short)
+        prefill_steps += 1
+    assert prefill_steps == -(-150 // 13)
+    drain(engine)
+
+
+def test_seeded_request_samples_the_same_whatever_shares_the_batch(make_tiny):
+    tok = make_tiny().tokenizer
+    prompt = text_prompt(tok, 12)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=60, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = run_alone(make_tiny, prompt, sp).outputs[0].token_ids
+
+    engine = make_tiny(max_num_batched_tokens=32)
+    others = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.5, top_k=5, max_tokens=12),
+              SamplingParams(temperature=1.3, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=40),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, max_tokens=20),
+              SamplingParams(temperature=0.8, min_p=0.05, seed=99, max_tokens=25)]
+    for i, p in enumerate(others[:3]):
+        engine.add_request(text_prompt(tok, 20 + 7 * i, skip=i + 1), p, request_id=f"o{i}")
+    engine.step()
+    engine.add_request({"prompt_token_ids": prompt}, sp, request_id="seeded")
+    engine.step()
+    for i, p in enumerate(others[3:], start=3):
+        engine.add_request(text_prompt(tok, 9 + i, skip=i + 1), p, request_id=f"o{i}")
+    final, _ = drain(engine)
+    assert final["seeded"].outputs[0].token_ids == alone
+    assert len(set(alone)) > 5  # really sampled
+
+
+def _seeded_tokens(make, tok, seed: int, n: int = 40) -> tuple[list[int], SamplingParams]:
+    sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=n, ignore_eos=True)
+    return run_alone(make, text_prompt(tok, 10), sp).outputs[0].token_ids, sp
+
+
+def _ascii_boundary(tok, ids: list[int]) -> tuple[int, str, int]:
+    """(k, stop, pos): a stop string made of the last 2 characters of token k and the first 2
+    of token k+1, whose first occurrence in the text is at that boundary (pos = its start)."""
+    pieces = [tok.decode([t]) for t in ids]
+    text = "".join(pieces)
+    for k in range(2, len(ids) - 3):
+        a, b = pieces[k], pieces[k + 1]
+        if len(a) >= 2 and len(b) >= 2 and (a + b).isascii() and (a + b).isprintable():
+            stop = a[-2:] + b[:2]
+            pos = len("".join(pieces[:k + 1])) - 2
+            if text.find(stop) == pos:
+                return k, stop, pos
+    raise AssertionError("no usable token boundary")
+
+
+def test_stop_string_across_tokens_is_never_streamed_partially(make_tiny):
+    tok = make_tiny().tokenizer
+    base, sp = _seeded_tokens(make_tiny, tok, seed=7)
+    full_text = tok.decode(base)
+    k, stop, pos = _ascii_boundary(tok, base)
+    for include in (False, True):
+        engine = make_tiny()
+        engine.add_request({"prompt_token_ids": text_prompt(tok, 10)},
+                           sp.clone(stop=["never seen here", stop], include_stop_str_in_output=include),
+                           request_id="r")
+        final, steps = drain(engine)
+        deltas = [o.outputs[0].delta_text for outs in steps for o in outs]
+        out = final["r"].outputs[0]
+        want = full_text[:pos + (len(stop) if include else 0)]
+        assert "".join(deltas) == out.text == want
+        emitted = ""
+        for d in deltas:  # a prefix of the stop string is held back until decided
+            emitted += d
+            assert not (len(emitted) > pos and not include), "stop string emitted partially"
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.token_ids == base[:k + 2]
+        assert engine.kv.usage() == 0.0
+
+
+def test_stop_token_ids_and_max_tokens(make_tiny):
+    tok = make_tiny().tokenizer
+    base, sp = _seeded_tokens(make_tiny, tok, seed=11)
+    k = next(i for i in range(4, len(base)) if base[i] not in base[:i])
+    out = run_alone(make_tiny, text_prompt(tok, 10), sp.clone(stop_token_ids=[base[k]])).outputs[0]
+    assert out.token_ids == base[:k + 1] and out.finish_reason == "stop" and out.stop_reason == base[k]
+    out = run_alone(make_tiny, text_prompt(tok, 10), sp.clone(max_tokens=k)).outputs[0]
+    assert out.token_ids == base[:k] and out.finish_reason == "length" and out.stop_reason is None
+
+
+def test_eos_stops_unless_ignored(make_tiny):
+    engine = make_tiny()
+    tok = engine.tokenizer
+    eos = tok.stop_token_ids
+    # near-uniform sampling over the tiny vocabulary: some seed soon draws an end token
+    prompt = text_prompt(tok, 10)
+    sps = [SamplingParams(temperature=3.0, seed=s, max_tokens=64, ignore_eos=True) for s in range(16)]
+    for s, sp in enumerate(sps):
+        engine.add_request({"prompt_token_ids": prompt}, sp, request_id=str(s))
+    final, _ = drain(engine)
+    seed, k = next((s, i) for s in range(16) for i, t in enumerate(final[str(s)].outputs[0].token_ids) if t in eos)
+    base = final[str(seed)].outputs[0].token_ids
+    assert len(base) == 64 and final[str(seed)].outputs[0].finish_reason == "length"
+    out = run_alone(make_tiny, prompt, sps[seed].clone(ignore_eos=False)).outputs[0]
+    assert out.token_ids == base[:k + 1] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_logprobs_match_a_full_softmax_of_the_model(make_tiny, tiny_parts):
+    _, model, tok = tiny_parts
+    engine = make_tiny()
+    prompts = [text_prompt(tok, 9), text_prompt(tok, 23, skip=2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=3, ignore_eos=True)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request({"prompt_token_ids": p}, sp, request_id=str(i))
+    engine.add_request("no logprobs here", SamplingParams(max_tokens=4), request_id="plain")
+    final, _ = drain(engine)
+    assert final["plain"].outputs[0].logprobs is None
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        out = final[str(i)].outputs[0]
+        ref = score(model, p + out.token_ids[:-1])[len(p) - 1:].log_softmax(dim=-1)    # [6, V]
+        assert len(out.logprobs) == len(out.token_ids) == 6
+        total = 0.0
+        for row, tok_id, entry in zip(ref, out.token_ids, out.logprobs):
+            assert entry[tok_id].logprob == pytest.approx(row[tok_id].item(), abs=1e-4)
+            total += entry[tok_id].logprob
+            top = row.topk(sp.logprobs)
+            alternatives = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            assert [lp.rank for lp in alternatives] == list(range(1, sp.logprobs + 1))
+            ranked_ids = [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 99) if lp.rank]
+            assert ranked_ids == top.indices.tolist()
+            values = [lp.logprob for lp in alternatives]
+            assert values == sorted(values, reverse=True)
+            assert values == pytest.approx(top.values.tolist(), abs=1e-4)
+            if sp.temperature == 0.0:
+                assert entry[tok_id].rank == 1
+        assert out.cumulative_logprob == pytest.approx(total, abs=1e-5)
+
+
+def _conversations(tok, bs: int) -> list[list[int]]:
+    """Prompts that do and do not share prefixes with each other."""
+    system = text_prompt(tok, 5 * bs + 2, skip=0)
+    block = text_prompt(tok, bs, skip=9)          # one block of tokens ...
+    other_a, other_b = text_prompt(tok, 2 * bs, skip=4), text_prompt(tok, 2 * bs, skip=6)
+    return [
+        system + text_prompt(tok, 7, skip=1),
+        system + text_prompt(tok, 13, skip=2),
+        system[:3 * bs] + text_prompt(tok, 5, skip=3),   # shares 3 of the system prompt's blocks
+        system + text_prompt(tok, 7, skip=1),            # identical to the first
+        system[:4 * bs],                                  # whole blocks only, all cached
+        other_a + block + text_prompt(tok, 3, skip=7),   # ... after different preceding tokens:
+        other_b + block + text_prompt(tok, 3, skip=7),   # same block content, no cache hit
+        text_prompt(tok, 19, skip=8),
+    ]
+
+
+def test_prefix_cached_conversations_produce_what_they_produce_alone(make_tiny):
+    bs = 4
+    tok = make_tiny().tokenizer
+    prompts = _conversations(tok, bs)
+    params = [SamplingParams(temperature=0.3, seed=100 + i, max_tokens=10 + i, logprobs=0, ignore_eos=True)
+              for i in range(len(prompts))]
+    alone = [run_alone(make_tiny, p, sp, enable_prefix_caching=False).outputs[0]
+             for p, sp in zip(prompts, params)]
+
+    engine = make_tiny(block_size=bs, max_num_batched_tokens=32)
+    final = {}
+    for wave in ([0, 5, 7], [1, 2, 6], [3, 4]):
+        for i in wave:
+            engine.add_request({"prompt_token_ids": prompts[i]}, params[i], request_id=str(i))
+        outs = engine.step()
+        final.update({o.request_id: o for o in outs if o.finished})
+        engine.kv.check_integrity()
+    more, _ = drain(engine, check=lambda e: e.kv.check_integrity())
+    final.update(more)
+    for i, want in enumerate(alone):
+        got = final[str(i)].outputs[0]
+        assert got.token_ids == want.token_ids, f"conversation {i}"
+        lp = [next(iter(d.values())).logprob for d in got.logprobs]
+        assert lp == pytest.approx([next(iter(d.values())).logprob for d in want.logprobs], abs=1e-5)
+    cached = {i: final[str(i)].num_cached_tokens for i in range(len(prompts))}
+    assert cached[0] == 0 and cached[5] == 0 and cached[7] == 0
+    assert cached[1] == 5 * bs and cached[2] == 3 * bs
+    assert cached[3] == (len(prompts[3]) - 1) // bs * bs  # all but the last token, in whole blocks
+    assert cached[4] == 3 * bs  # the last block is computed again for its logits
+    assert cached[6] == 0       # same tokens as a cached block, different tokens before them
+    assert engine.kv.stats.prefix_cache_hits >= sum(cached.values())
+    assert engine.kv.usage() == 0.0
+
+
+def test_stream_with_stop_strings_matches_a_reference_on_random_text(tiny_parts):
+    """OutputState alone, fed one token at a time: the deltas always add up to the text before the
+    first stop string to complete (plus it, with include_stop_str_in_output), never more."""
+    from loom.engine.output import OutputState
+
+    _, _, tok = tiny_parts
+    words = [i for i in range(tok.vocab_size)
+             if i not in tok.special_token_ids and tok.decode([i]).isascii() and tok.decode([i])]
+    rng = random.Random(5)
+    for _ in range(400):
+        ids = [rng.choice(words) for _ in range(rng.randint(1, 12))]
+        text = tok.decode(ids)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(text))
+            stops.append(text[a:a + rng.randint(1, 6)] if rng.random() < 0.7 else rng.choice(["ab", "c", " a"]))
+        include = rng.random() < 0.5
+        req = Request("r", [5], SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=len(ids)),
+                      len(ids))
+        state, streamed = OutputState(req, tok), ""
+        for t, tid in enumerate(ids):
+            req.append_token(tid)
+            if t == len(ids) - 1:
+                req.status = RequestStatus.FINISHED_LENGTH
+            out = state.process()
+            streamed += out.outputs[0].delta_text
+            if out.finished:
+                break
+        want, reason = text, None
+        for t in range(len(ids)):
+            prefix = tok.decode(ids[:t + 1])
+            hits = [(prefix.find(s), s) for s in stops if s in prefix]
+            if hits:
+                i, s = min(hits)
+                want, reason = prefix[:i + (len(s) if include else 0)], s
+                break
+        assert out.finished
+        assert (streamed, out.outputs[0].text, out.outputs[0].stop_reason) == (want, want, reason), (ids, stops)
+
+
+# =============================================================================================
+# 3. Engine on the real SmolLM2
+# =============================================================================================
+
+SMOL = "smollm2-135m"
+
+
+class Workload:
+    """64 greedy requests on Spec-Bench text: prompt lengths from 1 to ~2,000 tokens (most short,
+    a few long), max_tokens from 1 to 48, split into three arrival waves. The outputs each request
+    produces alone are computed once per session (one engine, one request at a time)."""
+
+    LONG = (250, 600, 1100, 1900)
+
+    def __init__(self, real_models):
+        from conftest import spec_bench_questions
+
+        self.real_models = real_models
+        _, tok = real_models.loom(SMOL)
+        rng = random.Random(2024)
+        questions = spec_bench_questions()
+        short = [ids for ids in tok.encode_batch([q["turns"][0] for q in questions]) if 8 <= len(ids) <= 120]
+        rng.shuffle(short)
+        long_text = tok.encode("\n\n".join(t for q in questions if q["category"] == "summarization"
+                                           for t in q["turns"][:1]))
+        prompts = [short[0][:1], short[1][:2], short[2][:5]] + short[3:3 + 64 - 3 - len(self.LONG)]
+        prompts += [long_text[i * 97:i * 97 + n] for i, n in enumerate(self.LONG)]
+        max_tokens = [rng.choice([1, 2, 3, 5, 8, 13, 16, 24, 33, 48]) for _ in prompts]
+        for i in range(len(prompts) - len(self.LONG), len(prompts)):
+            max_tokens[i] = rng.randint(1, 4)  # long contexts in decode are the costly part
+        order = list(range(len(prompts)))
+        rng.shuffle(order)
+        self.prompts = [prompts[i] for i in order]
+        self.max_tokens = [max_tokens[i] for i in order]
+        self.waves = [list(range(0, 24)), list(range(24, 44)), list(range(44, 64))]
+        self._alone: dict[int, list[int]] = {}
+
+    def params(self, i: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens[i], ignore_eos=True)
+
+    def alone(self, i: int) -> list[int]:
+        if i not in self._alone:
+            engine = self.real_models.engine(SMOL, block_size=16, max_num_batched_tokens=2048, num_blocks=256)
+            engine.add_request({"prompt_token_ids": self.prompts[i]}, self.params(i), request_id="alone")
+            final, _ = drain(engine)
+            self._alone[i] = final["alone"].outputs[0].token_ids
+        return self._alone[i]
+
+
+@pytest.fixture(scope="module")
+def workload(real_models) -> Workload:
+    return Workload(real_models)
+
+
+@pytest.mark.real_model
+def test_workload_shape(workload):
+    lengths = sorted(len(p) for p in workload.prompts)
+    assert len(lengths) == 64 and lengths[0] == 1 and lengths[-1] == 1900
+    assert sum(n <= 120 for n in lengths) == 60
+    assert min(workload.max_tokens) == 1 and max(workload.max_tokens) == 48
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("block_size, budget", [(8, 64), (16, 256), (32, 2048)])
+def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, block_size, budget):
+    engine = real_models.engine(SMOL, block_size=block_size, max_num_batched_tokens=budget,
+                                num_blocks=12288 // block_size)
+    final = {}
+    for wave in workload.waves:
+        for i in wave:
+            engine.add_request({"prompt_token_ids": workload.prompts[i]}, workload.params(i), request_id=str(i))
+        for _ in range(3):
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+            engine.kv.check_integrity()
+    more, _ = drain(engine, check=lambda e: e.kv.check_integrity())
+    final.update(more)
+    got = [final[str(i)].outputs[0].token_ids for i in range(64)]
+    differ = [i for i in range(64) if got[i] != workload.alone(i)]
+    print(f"\nblock_size={block_size}, budget={budget}: {64 - len(differ)}/64 identical to alone")
+    assert not differ, f"requests {differ} differ from their outputs alone"
+    assert all(len(g) == n for g, n in zip(got, workload.max_tokens))
+    assert engine.kv.usage() == 0.0
+
+
+@pytest.mark.real_model
+def test_preemption_recomputes_to_the_same_outputs(real_models, workload):
+    picks = [i for i in range(64) if 20 <= len(workload.prompts[i]) <= 120 and workload.max_tokens[i] >= 16][:8]
+    assert len(picks) == 8
+    bs = 16
+    need = sorted(-(-(len(workload.prompts[i]) + workload.max_tokens[i]) // bs) for i in picks)
+    num_blocks = sum(need[-3:])  # room for about three of the eight at full length
+    engine = real_models.engine(SMOL, block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=512)
+    for i in picks:
+        engine.add_request({"prompt_token_ids": workload.prompts[i]}, workload.params(i), request_id=str(i))
+    final, _ = drain(engine, check=lambda e: e.kv.check_integrity())
+    assert engine.scheduler.stats.num_preemptions > 0
+    for i in picks:
+        assert final[str(i)].outputs[0].token_ids == workload.alone(i), f"request {i}"
+    assert engine.kv.num_free_blocks() == num_blocks and engine.kv.usage() == 0.0
+
+
+@pytest.mark.real_model
+def test_prefix_cache_serves_a_shared_system_prompt(real_models):
+    from conftest import spec_bench_questions
+
+    _, tok = real_models.loom(SMOL)
+    rag = next(q for q in spec_bench_questions() if q["category"] == "rag")["turns"][0]
+    system = tok.decode(tok.encode(rag)[:400])
+    questions = ["What is the main topic?", "Summarize it in one sentence.", "Name one person mentioned."]
+    prompts = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(engine, waves):
+        final = {}
+        for wave in waves:
+            for i in wave:
+                engine.add_request({"prompt_token_ids": prompts[i]}, sp, request_id=str(i))
+            final.update(drain(engine)[0])
+        return final
+
+    cached_engine = real_models.engine(SMOL, block_size=16, num_blocks=256)
+    with_cache = run(cached_engine, [[0], [1, 2]])
+    plain_engine = real_models.engine(SMOL, block_size=16, num_blocks=256, enable_prefix_caching=False)
+    without = run(plain_engine, [[0, 1, 2]])
+    shared = next(j for j, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+    assert shared > 400
+    assert with_cache["0"].num_cached_tokens == 0
+    for i in (1, 2):
+        assert with_cache[str(i)].num_cached_tokens == shared // 16 * 16
+        assert without[str(i)].num_cached_tokens == 0
+    assert cached_engine.kv.stats.prefix_cache_hits == 2 * (shared // 16 * 16)
+    assert plain_engine.kv.stats.prefix_cache_hits == 0
+    for i in range(3):
+        assert with_cache[str(i)].outputs[0].token_ids == without[str(i)].outputs[0].token_ids, f"conversation {i}"
+
