@@ -106,7 +106,12 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
     prompts: Path | None = typer.Option(None, "--prompts", help="Spec-Bench question.jsonl to draw prompts from."),
     spec: bool = typer.Option(False, "--spec", help="Speculative decoding suite (not yet available)."),
-    parallel: bool = typer.Option(False, "--parallel", help="Parallel sampling suite (not yet available)."),
+    parallel: bool = typer.Option(False, "--parallel",
+                                  help="Also run the parallel sampling suites: cost of n = 1,4,8,16 completions "
+                                       "with and without prompt sharing, and GSM8K accuracy (see --limit)."),
+    limit: int | None = typer.Option(None, "--limit", min=0,
+                                     help="GSM8K problems of the --parallel quality suite (default 200; quick: 2; "
+                                          "0 skips it)."),
     server: str | None = typer.Option(None, "--server", metavar="URL",
                                       help="Measure a running server at URL (not yet available)."),
 ) -> None:
@@ -119,12 +124,17 @@ def bench(
     from loom.bench.settings import BenchError, BenchSettings
     from loom.config import physical_cores
 
-    for flag, given in (("--spec", spec), ("--parallel", parallel), ("--server", server is not None)):
+    for flag, given in (("--spec", spec), ("--server", server is not None)):
         if given:
             raise BenchError(f"{flag} is not yet available in loom bench")
     settings = BenchSettings.preset(quick).replace(
         concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
-        prefill_tokens=prefill_tokens, max_tokens=max_tokens)
+        prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit)
+    if parallel:
+        from loom.bench.suites import PARALLEL_SUITES
+
+        wanted = PARALLEL_SUITES if settings.quality_limit else PARALLEL_SUITES[:1]
+        settings = settings.replace(suites=settings.suites + tuple(wanted))
     specs = [s.with_option("dtype", dtype) if s.label == "loom" and dtype else s for s in parse_peers(peers)]
     request = BenchRequest(model=model, peers=specs, settings=settings,
                            threads=threads or physical_cores(), prompts_path=prompts or SPEC_BENCH_PATH)

@@ -26,6 +26,13 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **options):
         self.engine = Engine(EngineConfig.create(model, **options))
 
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """An LLM over an existing engine (shares its model, cache and requests)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -41,7 +48,16 @@ class LLM:
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         priority = list(priority) if priority is not None else [0] * len(prompts)
-        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priority)]
+        if len(priority) != len(prompts):
+            raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for p, sp, pr in zip(prompts, params, priority):
+                ids.append(self.engine.add_request(p, sp, priority=pr))
+        except BaseException:
+            for rid in ids:  # all or nothing: no half-added batch is left in the engine
+                self.engine.abort(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -54,6 +70,15 @@ class LLM:
                     "prompt_token_ids": tok.encode_chat(c, add_generation_prompt=add_generation_prompt)}
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: str | Sequence, params) -> list:
+        """Beam search (or diverse beam search) per prompt with `loom.parallel.beam.BeamSearchParams`;
+        returns one `BeamSearchOutput` per prompt, in order, its sequences best first."""
+        from loom.parallel.beam import run_beam_search
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return run_beam_search(self.engine, list(prompts), params)
 
     @staticmethod
     def _params_list(sp, n: int) -> list[SamplingParams]:

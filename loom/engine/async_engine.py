@@ -54,12 +54,13 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; raises InvalidRequestError at once for bad input."""
+                       priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; raises InvalidRequestError at once for bad input.
+        `fanout`: `loom.parallel.fanout.FanOutOptions` of an n > 1 request (early stopping)."""
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            rid = self.engine.add_request(prompt, params, request_id, priority)
+            rid = self.engine.add_request(prompt, params, request_id, priority, fanout=fanout)
             self._queues[rid] = (asyncio.get_running_loop(), queue)
         self._wake.set()
         finished = False

@@ -21,6 +21,7 @@ from loom.loader.tokenizer import Tokenizer
 from loom.model.loader import load_model
 from loom.model.runner import ModelRunner
 from loom.outputs import RequestOutput
+from loom.parallel.fanout import FanOut, FanOutOptions, fork_request
 from loom.sampling_params import SamplingParams
 
 log = logging.getLogger("loom")
@@ -30,14 +31,21 @@ DEFAULT_KV_CAP = 4 << 30           # ... but no more than this
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    """`model` and `tokenizer`, when given, must come from the file `config.load.model` names
+    (the model loaded with `config.load.linear_mode`); they are used instead of loading it again,
+    so several engines (other cache or scheduler settings) can share one copy of the weights."""
+
+    def __init__(self, config: EngineConfig, *, model=None, tokenizer: Tokenizer | None = None):
         self.config = config
         torch.set_num_threads(config.load.threads or physical_cores())
         t0 = time.perf_counter()
         path = resolve_model(config.load.model)
-        gguf = GGUFFile.open(path)
-        self.tokenizer = Tokenizer.from_gguf(gguf)
-        self.model = load_model(gguf, linear=config.load.linear_mode)
+        if model is None or tokenizer is None:
+            gguf = GGUFFile.open(path)
+            tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(gguf)
+            model = model if model is not None else load_model(gguf, linear=config.load.linear_mode)
+        self.tokenizer = tokenizer
+        self.model = model
         self.model_path = path
         self.model_name = config.load.model
         self.load_seconds = time.perf_counter() - t0
@@ -49,6 +57,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, seed=config.seed)
         self.outputs: dict[str, OutputState] = {}
+        self.fanout = FanOut(self)  # n > 1 / best_of requests: children sharing KV (loom/parallel)
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
 
@@ -63,11 +72,20 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int] | dict | None, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queues a request; raises InvalidRequestError for a bad prompt or parameters."""
-        params = params or SamplingParams()
+                    request_id: str | None = None, priority: int = 0,
+                    fanout: FanOutOptions | None = None) -> str:
+        """Queues a request; raises InvalidRequestError for a bad prompt or parameters.
+
+        With n > 1 or best_of > n (or `fanout` options) the request fans out into children
+        that share its prompt's KV blocks; its outputs hold one completion per child."""
+        params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        # A validated private copy: fields assigned after construction are checked too, and the
+        # caller changing its object later cannot change a running request.
+        params = params.clone()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         text, ids = self._tokenize(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty: give at least one token")
@@ -78,8 +96,13 @@ class Engine:
                                       f"(at least one token must be left to generate)")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self.scheduler.requests:
+        if request_id is None:
+            rid = str(next(self._ids))
+            while rid in self.scheduler.requests:  # a caller's own id may look like ours
+                rid = str(next(self._ids))
+        else:
+            rid = request_id
+        if rid in self.scheduler.requests or rid in self.fanout:
             raise InvalidRequestError(f"request id '{rid}' is already in use")
         limit = self.config.scheduler.max_waiting
         if limit is not None and len(self.scheduler.waiting) >= limit:
@@ -87,8 +110,17 @@ class Engine:
         req = Request(rid, ids, params, max_tokens, prompt=text, priority=priority,
                       eos_token_ids=self.tokenizer.stop_token_ids)
         self.scheduler.add(req)
-        self.outputs[rid] = OutputState(req, self.tokenizer)
+        if params.effective_best_of > 1 or fanout is not None:
+            self.fanout.add(req, fanout)
+        else:
+            self.outputs[rid] = OutputState(req, self.tokenizer)
         return rid
+
+    def fork(self, request_id: str, num_children: int,
+             append_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None) -> list[str]:
+        """New requests continuing `request_id` from all it holds so far, sharing its KV blocks,
+        each followed by `append_token_ids`; returns their ids (see `loom.parallel.fanout.fork_request`)."""
+        return fork_request(self, request_id, num_children, append_token_ids)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -106,6 +138,8 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its KV blocks; returns its final output (finish_reason 'abort')."""
+        if request_id in self.fanout:
+            return self.fanout.abort(request_id)
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
         state = self.outputs.pop(request_id, None)
         if req is None or state is None:
@@ -120,7 +154,7 @@ class Engine:
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         touched = self.scheduler.update(plan, result)
-        return self._process_outputs(touched, result)
+        return self.fanout.step(self._process_outputs(touched, result))
 
     def _process_outputs(self, touched: list[Request], result) -> list[RequestOutput]:
         outs = []

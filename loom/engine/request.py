@@ -37,6 +37,10 @@ class Request:
 
     Each step the scheduler grants `num_tokens - num_computed_tokens` (or a chunk of it)
     new tokens; a token is sampled when the grant reaches `num_tokens`.
+
+    `compute_limit` (None: no limit) pauses a request: the scheduler never computes past that
+    many tokens, so it samples nothing until the limit is lifted or passed. Fan-out parents
+    stop one token short of their prompt's end; beams stop after each sampled token.
     """
 
     request_id: str
@@ -57,6 +61,7 @@ class Request:
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    compute_limit: int | None = None
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -74,6 +79,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def compute_end(self) -> int:
+        """Where the scheduler's grants stop: `num_tokens`, or `compute_limit` when lower."""
+        return self.num_tokens if self.compute_limit is None else min(self.num_tokens, self.compute_limit)
 
     @property
     def is_prefill(self) -> bool:

@@ -97,6 +97,35 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def fork(self, parent_id: str, children: list[Request]) -> None:
+        """Adds `children`, each sharing the KV of the parent's computed tokens (refcounts).
+
+        A child's tokens must start with the parent's first `shared` tokens, where shared =
+        min(parent's computed tokens, child's tokens - 1): a child always computes at least its
+        last token itself, for its logits. Past that prefix its tokens may differ (appended or
+        replaced tokens); the first write into a shared block copies it (`KVCacheManager.allocate`).
+        Children of a running parent run at once (possibly beyond max_num_seqs for a while);
+        otherwise they wait, with nothing computed.
+        """
+        parent = self.requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"cannot fork unknown request {parent_id!r}")
+        for child in children:
+            if child.request_id in self.requests:
+                raise ValueError(f"request id {child.request_id!r} is already in use")
+            shared = min(parent.num_computed_tokens, child.num_tokens - 1)
+            if child.all_token_ids[:shared] != parent.all_token_ids[:shared]:
+                raise ValueError(f"child {child.request_id!r} does not start with its parent's computed tokens")
+            self.requests[child.request_id] = child
+            if parent.status is not RequestStatus.RUNNING or shared <= 0:
+                self.waiting.append(child)
+                continue
+            self.kv.fork(parent_id, child.request_id)
+            self.kv.trim(child.request_id, shared)
+            child.num_computed_tokens = shared
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+
     def finish(self, req_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (abort, stop string, ...): frees its blocks at once."""
         req = self.requests.pop(req_id, None)
@@ -129,7 +158,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.compute_end - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             alloc = self._allocate_or_preempt(req, n, grants, preempted)
@@ -170,7 +199,7 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
-            n = min(req.num_tokens - hit.num_tokens, budget)
+            n = max(0, min(req.compute_end - hit.num_tokens, budget))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:
                 self.kv.free(req.request_id)  # forget the lookup; retry next step
@@ -200,8 +229,7 @@ class Scheduler:
                 new.append(NewRequestData(req.request_id, list(req.prompt_token_ids), req.params))
             seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
                                      self.kv.block_table(req.request_id), start + n == req.num_tokens))
-            if req.is_prefill:
-                self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
+            self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
         finished, self._finished_since_last = self._finished_since_last, []
         return SchedulerOutput(seqs, new, finished, copies, preempted)
 

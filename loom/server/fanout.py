@@ -1,26 +1,32 @@
-"""One API call -> several engine requests (prompts x n choices), merged into one stream.
+"""One API call -> one engine request per prompt (its n choices share the prompt's KV), merged into one stream.
 
-`fan_out` is the single place that decides how choices become engine requests: today one
-independent child request per (prompt, choice), the choice's seed derived from the request
-seed. Everything downstream only sees `ChoiceGroup`, so a shared-prefix fan-out can replace
-the body of `fan_out` without touching the endpoints.
+`fan_out` is the single place that decides how choices become engine requests: one request per
+prompt with ``n`` (and ``best_of``) set, which the engine fans out into children that prefill
+the prompt once and share its KV blocks (`loom.parallel.fanout`); choice i of a seeded request
+samples with `derive_seed(seed, i)`. Each prompt's outputs are split back into per-choice
+outputs, so everything downstream sees choices as before (``(choice index, RequestOutput)``
+with one completion each).
 
 Lifecycle rules of a group:
 
-* `admitted()` returns once every child has produced its first output, or raises the first
-  child's error (bad prompt, queue full) after aborting the others, so the endpoint can still
+* `admitted()` returns once every prompt has produced its first output, or raises the first
+  prompt's error (bad prompt, queue full) after aborting the others, so the endpoint can still
   answer with a 4xx before any byte of a 200 is sent;
-* iterating yields ``(choice index, RequestOutput)`` until every child has finished;
-* `close()` is synchronous and idempotent: it cancels the children still running, and each
-  child's engine request is aborted (its KV blocks freed) as its task unwinds. It is safe to
-  call from a `finally` inside a cancelled scope;
+* iterating yields ``(choice index, RequestOutput)`` until every choice has finished;
+* `close()` is synchronous and idempotent: it cancels the prompts still running, and each
+  prompt's engine request (all its choices) is aborted, its KV blocks freed, as its task
+  unwinds. It is safe to call from a `finally` inside a cancelled scope;
 * `watch(request)` closes the group when the HTTP client disconnects; waiting code then
   raises `ClientDisconnected`.
+
+The ``loom`` extension (`LoomPlan`): ``early_stop`` ends a prompt's choices early (the rest
+are aborted); ``aggregate`` merges each prompt's choices into one answer (`aggregate`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,88 +34,97 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from loom.engine.async_engine import AsyncEngine
-from loom.outputs import RequestOutput
+from loom.outputs import CompletionOutput, RequestOutput
+from loom.parallel.aggregators import Aggregator, create_aggregator
+from loom.parallel.fanout import FanOutOptions, derive_seed
 from loom.sampling_params import SamplingParams
-from loom.server.errors import ClientDisconnected
+from loom.server.errors import ApiError, ClientDisconnected
 from loom.server.metrics import RequestTracker
+from loom.server.protocol import LoomChild, LoomOptions, LoomResponse, LoomResult
+
+__all__ = ["ChoiceGroup", "LoomPlan", "derive_seed", "fan_out", "plan_loom"]
 
 # Seconds between checks of whether the HTTP client is still connected.
 DISCONNECT_POLL_SECONDS = 0.25
-# Seeds wrap into this range when derived (SamplingParams accepts [-(2**63), 2**64 - 1]).
-_SEED_SPAN = 2**64
+# short_m_at_k's m when the request does not give one.
+DEFAULT_M = 3
 
 _GONE = object()
 
 
-def derive_seed(seed: int | None, choice: int) -> int | None:
-    """The seed of choice `choice`: choice 0 keeps the request seed (so n=1 and the first of n
-    agree); the others get distinct seeds derived from it."""
-    if seed is None or choice == 0:
-        return seed
-    return (seed + choice) % _SEED_SPAN
-
-
 @dataclass
-class _Child:
+class _Prompt:
     index: int
     prompt: str | list[int] | dict
-    params: SamplingParams
     request_id: str
-    admitted: asyncio.Future | None = None  # resolves to None or the child's error
+    admitted: asyncio.Future | None = None  # resolves to None or the prompt's error
     task: asyncio.Task | None = None
 
 
 class ChoiceGroup:
     """The engine requests behind one API call; see the module docstring for the rules."""
 
-    def __init__(self, ae: AsyncEngine, children: list[_Child], priority: int,
-                 tracker: Callable[[], RequestTracker] | None):
+    def __init__(self, ae: AsyncEngine, prompts: list[_Prompt], params: SamplingParams, n: int, priority: int,
+                 tracker: Callable[[], RequestTracker] | None, fanout: FanOutOptions | None = None):
         self._ae = ae
-        self._children = children
+        self._prompts = prompts
+        self._params, self._n = params, n
         self._priority = priority
         self._tracker = tracker
+        self._fanout = fanout
         self._queue: asyncio.Queue = asyncio.Queue()
         self._watcher: asyncio.Task | None = None
         self._closed = False
+        self._finals: dict[int, RequestOutput] = {}
         loop = asyncio.get_running_loop()
-        for child in children:
-            child.admitted = loop.create_future()
-            child.task = asyncio.create_task(self._pump(child), name=f"loom-{child.request_id}")
+        for p in prompts:
+            p.admitted = loop.create_future()
+            p.task = asyncio.create_task(self._pump(p), name=f"loom-{p.request_id}")
 
     @property
     def size(self) -> int:
-        return len(self._children)
+        return len(self._prompts) * self._n
 
-    async def _pump(self, child: _Child) -> None:
-        tracker = self._tracker() if self._tracker is not None else None
+    async def _pump(self, p: _Prompt) -> None:
+        trackers = [self._tracker() if self._tracker is not None else None for _ in range(self._n)]
         start = time.monotonic()
         arrival: float | None = None
-        gen = self._ae.generate(child.prompt, child.params, child.request_id, self._priority)
-        finished = False
+        ended = [False] * self._n
+        gen = self._ae.generate(p.prompt, self._params, p.request_id, self._priority, fanout=self._fanout)
         try:
             async for out in gen:
                 if arrival is None and out.metrics is not None:
                     arrival = out.metrics.arrival_time
-                if tracker is not None:
-                    tracker.on_output(out)
-                if not child.admitted.done():
-                    child.admitted.set_result(None)
-                finished = out.finished
-                self._queue.put_nowait((child.index, out))
+                if not p.admitted.done():
+                    p.admitted.set_result(None)
+                if out.finished:
+                    self._finals[p.index] = out
+                for c in out.outputs:
+                    if ended[c.index] or not (c.delta_token_ids or c.delta_text or c.finish_reason):
+                        continue
+                    ended[c.index] = c.finish_reason is not None
+                    choice = _choice_output(out, c)
+                    if trackers[c.index] is not None:
+                        trackers[c.index].on_output(choice)
+                    self._queue.put_nowait((p.index * self._n + c.index, choice))
         except asyncio.CancelledError:
-            # add_request runs before the generator's first wait, so a cancelled child was queued
-            if tracker is not None and not finished:
-                tracker.on_abandoned(arrival if arrival is not None else start, time.monotonic())
+            # add_request runs before the generator's first wait, so a cancelled prompt was queued
+            self._abandon(trackers, ended, arrival if arrival is not None else start)
             raise
         except Exception as e:  # noqa: BLE001 - handed to whoever waits on the group
-            if not child.admitted.done():
-                child.admitted.set_result(e)
+            if not p.admitted.done():
+                p.admitted.set_result(e)
             else:
-                self._queue.put_nowait((child.index, e))
-                if tracker is not None and not finished:
-                    tracker.on_abandoned(arrival, time.monotonic())
+                self._queue.put_nowait((p.index * self._n, e))
+                self._abandon(trackers, ended, arrival)
         finally:
             await gen.aclose()
+
+    @staticmethod
+    def _abandon(trackers: list[RequestTracker | None], ended: list[bool], arrival: float | None) -> None:
+        for tracker, done in zip(trackers, ended):
+            if tracker is not None and not done:
+                tracker.on_abandoned(arrival, time.monotonic())
 
     def watch(self, request: Request) -> None:
         """Closes the group as soon as `request`'s client disconnects."""
@@ -120,21 +135,21 @@ class ChoiceGroup:
         while not await request.is_disconnected():
             await asyncio.sleep(DISCONNECT_POLL_SECONDS)
         self._queue.put_nowait(_GONE)
-        for child in self._children:
-            if not child.admitted.done():
-                child.admitted.set_result(ClientDisconnected())
+        for p in self._prompts:
+            if not p.admitted.done():
+                p.admitted.set_result(ClientDisconnected())
         self.close()
 
     async def admitted(self) -> None:
-        """Waits until every child produced a first output; raises the first child error."""
-        for fut in asyncio.as_completed([c.admitted for c in self._children]):
+        """Waits until every prompt produced a first output; raises the first prompt error."""
+        for fut in asyncio.as_completed([p.admitted for p in self._prompts]):
             error = await fut
             if error is not None:
                 self.close()
                 raise error
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        remaining = len(self._children)
+        remaining = self.size
         while remaining:
             item = await self._queue.get()
             if item is _GONE:
@@ -147,35 +162,115 @@ class ChoiceGroup:
                 remaining -= 1
 
     async def final_outputs(self) -> list[RequestOutput]:
-        """Every child's last output, in choice order."""
+        """Every choice's last output, in choice order."""
         final: dict[int, RequestOutput] = {}
         async for index, out in self:
             if out.finished:
                 final[index] = out
-        return [final[c.index] for c in self._children]
+        return [final[i] for i in range(self.size)]
+
+    def prompt_outputs(self) -> list[RequestOutput]:
+        """Each prompt's final output with all of its choices (after `final_outputs`)."""
+        return [self._finals[p.index] for p in self._prompts]
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for child in self._children:
-            if child.task is not None and not child.task.done():
-                child.task.cancel()
+        for p in self._prompts:
+            if p.task is not None and not p.task.done():
+                p.task.cancel()
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
 
 
-def fan_out(ae: AsyncEngine, prompts: list[str | list[int] | dict], params: SamplingParams, n: int,
-            request_id: str, priority: int = 0,
-            tracker: Callable[[], RequestTracker] | None = None) -> ChoiceGroup:
-    """Submits ``len(prompts) * n`` child requests; choice ``p * n + i`` is choice i of prompt p.
+def _choice_output(out: RequestOutput, c: CompletionOutput) -> RequestOutput:
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [c], c.finish_reason is not None,
+                         out.metrics, out.num_cached_tokens)
 
-    Children are independent requests with ``n=1``; when `params` is seeded, each choice
-    gets its own seed (`derive_seed`), so seeded choices differ but stay reproducible.
-    """
-    children = []
-    for p, prompt in enumerate(prompts):
-        for i in range(n):
-            child_params = params.clone(n=1, seed=derive_seed(params.seed, i))
-            children.append(_Child(p * n + i, prompt, child_params, f"{request_id}-{p}-{i}"))
-    return ChoiceGroup(ae, children, priority, tracker)
+
+def fan_out(ae: AsyncEngine, prompts: list[str | list[int] | dict], params: SamplingParams, n: int,
+            request_id: str, priority: int = 0, tracker: Callable[[], RequestTracker] | None = None, *,
+            best_of: int | None = None, fanout: FanOutOptions | None = None) -> ChoiceGroup:
+    """Submits one engine request per prompt, each with n choices (best_of generated);
+    choice ``p * n + i`` is choice i of prompt p."""
+    params = params.clone(n=n, best_of=best_of)
+    items = [_Prompt(p, prompt, f"{request_id}-{p}") for p, prompt in enumerate(prompts)]
+    return ChoiceGroup(ae, items, params, n, priority, tracker, fanout)
+
+
+# -- the "loom" extension ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoomPlan:
+    """What a request's ``loom`` object asks for: engine-side early stopping and an aggregator."""
+
+    fanout: FanOutOptions | None
+    aggregator: Aggregator | None
+    return_children: bool
+
+    def aggregate(self, prompt_outputs: list[RequestOutput]) -> tuple[list[RequestOutput], LoomResponse]:
+        """One chosen choice per prompt (index 0; an empty aborted one when none qualified)
+        and the extension's results."""
+        assert self.aggregator is not None
+        chosen, results = [], []
+        for p, out in enumerate(prompt_outputs):
+            result = self.aggregator.aggregate(out.outputs)
+            pick = out.outputs[result.index] if result.index is not None else CompletionOutput(0, "", [],
+                                                                                               finish_reason="abort")
+            chosen.append(_choice_output(out, CompletionOutput(0, pick.text, pick.token_ids, pick.cumulative_logprob,
+                                                               pick.logprobs, pick.finish_reason, pick.stop_reason)))
+            children = None
+            if self.return_children:
+                extract = getattr(self.aggregator, "extract", None)
+                children = [LoomChild(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                      cumulative_logprob=c.cumulative_logprob,
+                                      answer=extract(c.text) if extract is not None else None) for c in out.outputs]
+            results.append(LoomResult(prompt_index=p, answer=result.answer, chosen_index=result.index,
+                                      votes=result.votes, scores=result.scores, children=children))
+        return chosen, LoomResponse(results=results)
+
+
+def plan_loom(options: LoomOptions | None, stream: bool) -> LoomPlan | None:
+    """The plan of a request's ``loom`` object; ApiError (400) for combinations it cannot serve."""
+    if options is None:
+        return None
+    if options.aggregate is not None and stream:
+        raise ApiError(400, "loom.aggregate needs the whole set of choices: it cannot be streamed",
+                       param="loom.aggregate", code="unsupported")
+    stop = None
+    if options.early_stop is not None:
+        es = options.early_stop
+        stop = create_aggregator(es.policy, **({"m": es.m or DEFAULT_M} if es.policy == "short_m_at_k" else {}))
+    aggregator = None
+    if options.aggregate is not None:
+        aggregator = create_aggregator(options.aggregate, **_aggregate_options(options))
+    if stop is None and aggregator is not None and type(aggregator).should_stop is not Aggregator.should_stop:
+        stop = aggregator  # first_finish / short_m_at_k stop early by themselves
+    return LoomPlan(FanOutOptions(stop_policy=stop) if stop is not None else None, aggregator,
+                    options.return_children)
+
+
+def _aggregate_options(o: LoomOptions) -> dict:
+    """The aggregator's own options out of the request's fields (those it takes)."""
+    extract: dict = {}
+    if o.aggregate in ("majority", "weighted_majority", "short_m_at_k"):
+        extract["extract"] = o.extract or "last_number"
+        if o.extract == "regex":
+            try:
+                re.compile(o.pattern or "")
+            except re.error as e:
+                raise ApiError(400, f"loom.pattern is not a valid regex: {e}", param="loom.pattern",
+                               code="invalid_value") from None
+            if not o.pattern:
+                raise ApiError(400, "loom.extract=regex needs loom.pattern", param="loom.pattern",
+                               code="invalid_value")
+            extract["pattern"] = o.pattern
+    if o.aggregate == "best_of" and o.score is not None:
+        extract["score"] = o.score
+    if o.aggregate == "weighted_majority" and o.prune_ratio is not None:
+        extract["prune_ratio"] = o.prune_ratio
+    if o.aggregate == "short_m_at_k" and o.early_stop is not None and o.early_stop.m is not None:
+        extract["m"] = o.early_stop.m
+    return extract

@@ -41,7 +41,7 @@ from loom.errors import LoomError, TokenizerError
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
 from loom.server.errors import INVALID_REQUEST, ApiError, ClientDisconnected, install_error_handlers
-from loom.server.fanout import ChoiceGroup, fan_out
+from loom.server.fanout import ChoiceGroup, fan_out, plan_loom
 from loom.server.limits import BodySizeLimit
 from loom.server.logprobs import chat_logprobs, completion_logprobs
 from loom.server.metrics import ServerMetrics, sample_engine
@@ -216,22 +216,30 @@ class OpenAIServing:
         params = self.sampling_params(body, max_tokens, body.logprobs)
         echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        group = fan_out(self.ae, prompts, params, body.n, rid, body.priority, self.metrics.tracker)
+        plan = plan_loom(body.loom, body.stream)
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            raise ApiError(400, "best_of > n ranks finished choices: it cannot be streamed", param="best_of",
+                           code="unsupported")
+        group = fan_out(self.ae, prompts, params, body.n, rid, body.priority, self.metrics.tracker,
+                        best_of=body.best_of, fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._completion_events(group, body, rid, created, echoes, include_usage)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
+        usage, per, extension = self.usage(finals, body.n), body.n, None
+        if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
+            (finals, extension), per = plan.aggregate(group.prompt_outputs()), 1
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            echo = echoes[index // body.n] if echoes else ""
+            echo = echoes[index // per] if echoes else ""
             lp = (completion_logprobs(c.logprobs or [], c.token_ids, body.logprobs, offset=len(echo))
                   if body.logprobs is not None else None)
             choices.append(CompletionChoice(index=index, text=echo + c.text, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return CompletionResponse(id=rid, created=created, model=self.model, choices=choices,
-                                  usage=self.usage(finals, body.n))
+        return CompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
+                                  loom=extension)
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.ae.tokenizer.decode(prompt)
@@ -294,20 +302,25 @@ class OpenAIServing:
         params = self.sampling_params(body, max_tokens, top_k)
         prompt = self._chat_prompt(body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker)
+        plan = plan_loom(body.loom, body.stream)
+        group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker,
+                        fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._chat_events(group, body, rid, created, top_k, include_usage)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
+        usage, extension = self.usage(finals, body.n), None
+        if plan is not None and plan.aggregator is not None:  # one chosen answer
+            finals, extension = plan.aggregate(group.prompt_outputs())
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
             lp = chat_logprobs(c.logprobs or [], c.token_ids, top_k) if top_k is not None else None
             choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text), logprobs=lp,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices,
-                                      usage=self.usage(finals, body.n))
+        return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
+                                      loom=extension)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
         messages = [_message_dict(m) for m in body.messages]

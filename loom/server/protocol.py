@@ -77,6 +77,29 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class LoomEarlyStop(_Request):
+    """Extension: end a request's choices early; the unfinished ones are aborted."""
+
+    policy: Literal["first_finish", "short_m_at_k"]
+    m: PositiveCount | None = Field(None, description="short_m_at_k: stop once this many choices finished "
+                                                      "(default 3).")
+
+
+class LoomOptions(_Request):
+    """Extension object ``"loom"``: test-time scaling over the request's n choices."""
+
+    aggregate: Literal["best_of", "majority", "weighted_majority", "first_finish", "short_m_at_k"] | None = Field(
+        None, description="Merge each prompt's n choices into one answer, returned as its single choice.")
+    extract: Literal["regex", "gsm8k", "last_number", "choice"] | None = Field(
+        None, description="How voting aggregators read an answer from a choice's text (default last_number).")
+    pattern: str | None = Field(None, description="The regex of extract=regex (its group 1, or the match).")
+    score: Literal["mean", "total"] | None = Field(None, description="best_of: rank by mean or total logprob.")
+    prune_ratio: float | None = Field(None, ge=0, le=1, description="weighted_majority: drop paths weighing "
+                                                                    "less than this share of the best.")
+    early_stop: LoomEarlyStop | None = None
+    return_children: bool = Field(False, description="With aggregate: also return every choice.")
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -100,6 +123,7 @@ class SamplingFields(_Request):
     min_tokens: Count = Field(0, description="Extension: no stop before this many tokens.")
     include_stop_str_in_output: bool = Field(False, description="Extension.")
     skip_special_tokens: bool = Field(True, description="Extension.")
+    loom: LoomOptions | None = Field(None, description="Extension: aggregation and early stopping over n.")
 
 
 # -- completions -------------------------------------------------------------------------------
@@ -120,6 +144,8 @@ class CompletionRequest(SamplingFields):
     logprobs: LogprobCount | None = Field(None, description="Return the chosen token's logprob and this many "
                                                             "alternatives.")
     echo: bool = Field(False, description="Put the prompt in front of the completion text.")
+    best_of: ChoiceCount | None = Field(None, description="Generate this many choices (>= n) and return the n "
+                                                          "with the highest cumulative logprob; not streamed.")
 
 
 class CompletionLogprobs(_Response):
@@ -148,6 +174,35 @@ class UsageInfo(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class LoomChild(_Response):
+    index: int
+    text: str
+    finish_reason: FinishReason | None = None
+    cumulative_logprob: float | None = None
+    answer: str | None = None
+
+
+class LoomResult(_Response):
+    """What the aggregator chose for one prompt."""
+
+    prompt_index: int
+    answer: str | None = Field(description="The chosen answer (extracted), or the chosen choice's text.")
+    chosen_index: int | None = Field(description="The child the answer came from; null if none qualified.")
+    votes: dict[str, float] = Field(default_factory=dict)
+    scores: list[float | None] = Field(default_factory=list)
+    children: list[LoomChild] | None = None
+
+
+class LoomResponse(_Response):
+    """Extension (with ``loom.aggregate``): one result per prompt."""
+
+    results: list[LoomResult]
+
+
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class CompletionResponse(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -155,6 +210,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    loom: LoomResponse | None = Field(None, exclude_if=_unset, description="Extension: aggregation results.")
 
 
 class CompletionStreamResponse(_Response):
@@ -229,6 +285,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    loom: LoomResponse | None = Field(None, exclude_if=_unset, description="Extension: aggregation results.")
 
 
 class DeltaMessage(_Response):

@@ -1,0 +1,373 @@
+"""Fan-out above the scheduler: one request becomes several children that share its KV blocks.
+
+The scheduler knows only one hook, `Scheduler.fork(parent_id, children)`; everything about
+n, best_of and early stopping lives here. A request with n > 1 (or best_of > n) runs as:
+
+    parent   | prompt 0 .. P-2 computed once |      compute_limit = P-1, never samples
+                                      | fork (refcount += 1 per child on every block)
+    child 0  | shared ...................... | P-1 | out ...   seed s (the request's seed)
+    child 1  | shared ...................... | P-1 | out ...   seed s + 1
+    child i  | shared ...................... | P-1 | out ...   seed s + i
+
+Each child computes the prompt's last token itself (one token of duplicate work, so that every
+child gets its own logits and its own first sample); the first write into the shared, partly
+filled last block copies it (`KVCacheManager.allocate`). The parent is finished right after the
+fork: its references go, the children's keep the blocks alive.
+
+Rules:
+
+* seeds: child i of a seeded request samples with `derive_seed(seed, i)` (seed + i, wrapped to
+  the seed range); child 0 keeps the request's seed, so n=1 and the first of n agree;
+* logprobs: children always compute the logprob of their tokens, so every completion carries a
+  `cumulative_logprob` (best_of ranks by it); per-token logprobs are returned only when asked;
+* outputs: the engine returns ONE `RequestOutput` per group, under the request's id, whose
+  `outputs` hold one `CompletionOutput` per child (index 0..n-1). With best_of > n only the
+  final output is returned, holding the n children with the highest cumulative logprob;
+* early stopping: `FanOutOptions.stop_policy` is asked after every step in which a child
+  changed; when it says stop, the unfinished children are aborted (finish_reason "abort")
+  and their blocks freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from loom.engine.output import OutputState
+from loom.engine.request import Request, RequestStatus
+from loom.errors import InvalidRequestError
+from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from loom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loom.engine.engine import Engine
+
+# Seeds wrap into this range when derived (SamplingParams accepts [-(2**63), 2**64 - 1]).
+_SEED_SPAN = 2**64
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """The seed of child `index`: child 0 keeps the request seed (so n=1 and the first of n
+    agree); child i gets seed + i, wrapped into [0, 2**64)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % _SEED_SPAN
+
+
+class StopPolicy(Protocol):
+    """Decides when a group may end before all of its children finish (`Aggregator`s are ones)."""
+
+    def should_stop(self, children: Sequence[CompletionOutput]) -> bool:
+        """True once the group has what it needs; `children` holds every child's latest
+        output (finish_reason None while it runs)."""
+
+
+@dataclass(frozen=True)
+class FanOutOptions:
+    """Options of one fanned-out request beyond `SamplingParams`."""
+
+    stop_policy: StopPolicy | None = None  # None: wait for every child
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One child of `spawn`.
+
+    Its tokens are the parent's first `keep_tokens` (None: all of them, including a sampled
+    token not yet computed) followed by `append_token_ids`; all of these are the child's prompt,
+    its output is what it generates after them. `hold`: compute them, sample one token, then
+    wait (compute_limit), so a driver such as beam search decides what happens next.
+    """
+
+    request_id: str
+    params: SamplingParams
+    append_token_ids: tuple[int, ...] = ()
+    keep_tokens: int | None = None
+    hold: bool = False
+    index: int = 0  # the CompletionOutput index of the child's outputs
+
+
+def spawn(engine: Engine, parent_id: str, specs: Sequence[ChildSpec]) -> list[str]:
+    """Forks `parent_id` into one child request per spec; the children share the KV of the
+    parent's computed tokens and produce their own outputs from `engine.step()`. The parent is
+    left as it was (finish, pause or keep it running as you need)."""
+    sched = engine.scheduler
+    parent = sched.requests.get(parent_id)
+    if parent is None:
+        raise InvalidRequestError(f"cannot fork request '{parent_id}': it is not running or waiting")
+    ids = [s.request_id for s in specs]
+    taken = [i for i in ids if i in sched.requests or i in engine.fanout]
+    if taken or len(set(ids)) != len(ids):
+        raise InvalidRequestError(f"child request ids must be new and distinct, got {ids}")
+    children = [_child_request(engine, parent, spec) for spec in specs]
+    sched.fork(parent_id, children)
+    for child, spec in zip(children, specs):
+        engine.outputs[child.request_id] = OutputState(child, engine.tokenizer, index=spec.index)
+    return ids
+
+
+def _child_request(engine: Engine, parent: Request, spec: ChildSpec) -> Request:
+    keep = parent.num_tokens if spec.keep_tokens is None else spec.keep_tokens
+    if not 0 <= keep <= parent.num_tokens:
+        raise InvalidRequestError(f"keep_tokens must be in [0, {parent.num_tokens}], got {keep}")
+    append = [int(t) for t in spec.append_token_ids]
+    if any(not 0 <= t < engine.model.cfg.vocab_size for t in append):
+        raise InvalidRequestError(f"appended token ids must be in [0, {engine.model.cfg.vocab_size})")
+    ids = parent.all_token_ids[:keep] + append
+    if not ids or len(ids) >= engine.max_model_len:
+        raise InvalidRequestError(f"a child of '{parent.request_id}' would hold {len(ids)} tokens; it needs "
+                                  f"1 .. {engine.max_model_len - 1} (the context limit leaves room to generate)")
+    params = spec.params.clone()
+    room = engine.max_model_len - len(ids)
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    same_prompt = ids == parent.prompt_token_ids
+    child = Request(spec.request_id, ids, params, max_tokens, prompt=parent.prompt if same_prompt else None,
+                    priority=parent.priority, eos_token_ids=parent.eos_token_ids, arrival_seq=parent.arrival_seq,
+                    metrics=RequestMetrics(arrival_time=parent.metrics.arrival_time,
+                                           first_scheduled_time=parent.metrics.first_scheduled_time))
+    if same_prompt:
+        child.num_cached_tokens = parent.num_cached_tokens
+    if spec.hold:
+        child.compute_limit = child.num_tokens
+    return child
+
+
+def fork_request(engine: Engine, request_id: str, num_children: int,
+                 append_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 params: SamplingParams | None = None) -> list[str]:
+    """`Engine.fork`: `num_children` new requests that continue `request_id` from everything it
+    holds so far (its prompt, its output, a sampled token not yet computed), each followed by
+    `append_token_ids` (one list for all, or one list per child). Child i (from 1) samples with
+    `derive_seed(seed, i)` of the parent's (or `params`') seed; the parent keeps running."""
+    parent = engine.scheduler.requests.get(request_id)
+    if parent is None:
+        raise InvalidRequestError(f"cannot fork request '{request_id}': it is not running or waiting")
+    if isinstance(num_children, bool) or not isinstance(num_children, int) or num_children < 1:
+        raise InvalidRequestError(f"num_children must be an integer >= 1, got {num_children!r}")
+    appends = _per_child(append_token_ids, num_children)
+    base = (params or parent.params).clone(n=1, best_of=None)
+    specs = [ChildSpec(_fresh_id(engine, f"{request_id}.{i}"), base.clone(seed=derive_seed(base.seed, i)),
+                       tuple(appends[i - 1]))
+             for i in range(1, num_children + 1)]
+    return spawn(engine, request_id, specs)
+
+
+def pause(engine: Engine, request_id: str) -> None:
+    """Stops `request_id` where it is (its KV stays; nothing more is computed or sampled)
+    until `resume`. A token it sampled but has not computed yet stays pending."""
+    req = _live(engine, request_id)
+    req.compute_limit = req.num_computed_tokens
+
+
+def resume(engine: Engine, request_id: str, append_token_ids: Sequence[int] = ()) -> None:
+    """Lets a paused request run again, after appending `append_token_ids` to its output as
+    forced tokens (a join's result). Forced tokens count toward max_tokens and are not
+    checked for stop tokens; repetition penalties of the runner do not see them."""
+    req = _live(engine, request_id)
+    tokens = [int(t) for t in append_token_ids]
+    if any(not 0 <= t < engine.model.cfg.vocab_size for t in tokens):
+        raise InvalidRequestError(f"appended token ids must be in [0, {engine.model.cfg.vocab_size})")
+    if req.num_tokens + len(tokens) >= engine.max_model_len:
+        raise InvalidRequestError(f"request '{request_id}' would hold {req.num_tokens + len(tokens)} tokens, "
+                                  f"the context limit is {engine.max_model_len}")
+    for t in tokens:
+        req.append_token(t)
+    req.compute_limit = None
+
+
+def _live(engine: Engine, request_id: str) -> Request:
+    req = engine.scheduler.requests.get(request_id)
+    if req is None:
+        raise InvalidRequestError(f"request '{request_id}' is not running or waiting")
+    return req
+
+
+def _per_child(append, k: int) -> list[list[int]]:
+    if append is None:
+        return [[] for _ in range(k)]
+    items = list(append)
+    if items and all(isinstance(a, (list, tuple)) for a in items):
+        if len(items) != k:
+            raise InvalidRequestError(f"got {len(items)} appended token lists for {k} children")
+        return [list(a) for a in items]
+    return [list(items) for _ in range(k)]
+
+
+def _fresh_id(engine: Engine, base: str) -> str:
+    rid = base
+    while rid in engine.scheduler.requests or rid in engine.fanout:
+        rid += "'"
+    return rid
+
+
+# -- n > 1 and best_of: groups of children behind one request id ------------------------------------
+
+
+@dataclass
+class _Group:
+    parent: Request
+    params: SamplingParams               # the request's own (n, best_of, logprobs as asked)
+    options: FanOutOptions
+    child_ids: list[str] = field(default_factory=list)
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)
+    metrics: dict[int, RequestMetrics] = field(default_factory=dict)
+    changed: set[int] = field(default_factory=set)
+
+    @property
+    def request_id(self) -> str:
+        return self.parent.request_id
+
+    @property
+    def size(self) -> int:
+        return self.params.effective_best_of
+
+    @property
+    def forked(self) -> bool:
+        return bool(self.child_ids)
+
+    def done(self) -> bool:
+        return len(self.latest) == self.size and all(c.finish_reason is not None for c in self.latest.values())
+
+
+class FanOut:
+    """The engine's groups of n > 1 / best_of requests (see the module docstring).
+
+    The engine calls `add` for such a request instead of creating its output state, `step`
+    after every step (forks parents that reached their limit, merges the children's outputs
+    into group outputs, applies early stopping) and `abort` for an id `in` it.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.groups: dict[str, _Group] = {}
+        self._children: dict[str, tuple[_Group, int]] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.groups or request_id in self._children
+
+    def add(self, req: Request, options: FanOutOptions | None = None) -> None:
+        """Takes over `req` (already added to the scheduler): it prefills all but its last
+        prompt token, then `step` forks it into its children."""
+        req.compute_limit = req.num_prompt_tokens - 1
+        self.groups[req.request_id] = _Group(req, req.params, options or FanOutOptions())
+
+    def step(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs with the children's replaced by their groups' outputs."""
+        for group in list(self.groups.values()):
+            if not group.forked and group.parent.status is RequestStatus.RUNNING \
+                    and group.parent.num_computed_tokens >= (group.parent.compute_limit or 0):
+                self._fork(group)
+        passed, touched = [], {}
+        for out in outs:
+            entry = self._children.get(out.request_id)
+            if entry is None:
+                passed.append(out)
+                continue
+            group, index = entry
+            self._record(group, index, out)
+            touched[group.request_id] = group
+        for group in touched.values():
+            policy = group.options.stop_policy
+            if policy is not None and not group.done() and policy.should_stop(self._completions(group)):
+                self._abort_children(group)
+        return passed + [o for g in touched.values() if (o := self._emit(g)) is not None]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Aborts a whole group (its id) or one child; returns the group's final output when
+        this ended it."""
+        group = self.groups.get(request_id)
+        if group is None:
+            entry = self._children.get(request_id)
+            if entry is None:
+                return None
+            group = entry[0]
+            self._abort_one(group, entry[1])
+        elif not group.forked:
+            self.engine.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+            for i in range(group.size):
+                group.latest[i] = CompletionOutput(i, "", [], finish_reason="abort")
+        else:
+            self._abort_children(group)
+        return self._emit(group) if group.done() else None
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _fork(self, group: _Group) -> None:
+        params = group.params
+        child_params = params.clone(n=1, best_of=None, logprobs=0 if params.logprobs is None else params.logprobs)
+        specs = [ChildSpec(_fresh_id(self.engine, f"{group.request_id}/{i}"),
+                           child_params.clone(seed=derive_seed(params.seed, i)), index=i)
+                 for i in range(group.size)]
+        group.child_ids = spawn(self.engine, group.request_id, specs)
+        for i, cid in enumerate(group.child_ids):
+            self._children[cid] = (group, i)
+        # The children hold their own references to every block now.
+        self.engine.scheduler.finish(group.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _record(self, group: _Group, index: int, out: RequestOutput) -> None:
+        group.latest[index] = out.outputs[0]
+        if out.metrics is not None:
+            group.metrics[index] = out.metrics
+        group.changed.add(index)
+        if out.finished:
+            self._children.pop(group.child_ids[index], None)
+
+    def _abort_children(self, group: _Group) -> None:
+        for index in range(group.size):
+            current = group.latest.get(index)
+            if current is None or current.finish_reason is None:
+                self._abort_one(group, index)
+
+    def _abort_one(self, group: _Group, index: int) -> None:
+        rid = group.child_ids[index]
+        self.engine.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+        state = self.engine.outputs.pop(rid, None)
+        if state is not None:
+            self._record(group, index, state.process())
+
+    def _completions(self, group: _Group) -> list[CompletionOutput]:
+        return [group.latest.get(i) or CompletionOutput(i, "", []) for i in range(group.size)]
+
+    def _emit(self, group: _Group) -> RequestOutput | None:
+        done = group.done()
+        if not done and group.size > group.params.n:
+            group.changed.clear()
+            return None  # best_of ranks finished children only
+        completions = []
+        for c in self._completions(group):
+            if c.index not in group.changed:
+                c = dataclasses.replace(c, delta_text="", delta_token_ids=[])
+            if group.params.logprobs is None:
+                c = dataclasses.replace(c, logprobs=None)
+            completions.append(c)
+        group.changed.clear()
+        if done:
+            del self.groups[group.request_id]
+            completions = _best(completions, group.params.n)
+        parent = group.parent
+        return RequestOutput(group.request_id, parent.prompt, list(parent.prompt_token_ids), completions, done,
+                             self._metrics(group, done), parent.num_cached_tokens)
+
+    @staticmethod
+    def _metrics(group: _Group, done: bool) -> RequestMetrics:
+        """The group's times: arrival of the request, first token of any child, last of all."""
+        own = group.parent.metrics
+        times = list(group.metrics.values())
+        firsts = [m.first_token_time for m in times if m.first_token_time is not None]
+        lasts = [m.last_token_time for m in times if m.last_token_time is not None]
+        ends = [m.finished_time for m in times if m.finished_time is not None]
+        return RequestMetrics(own.arrival_time, own.first_scheduled_time, min(firsts, default=None),
+                              max(lasts, default=None), max(ends, default=None) if done else None,
+                              group.parent.num_cached_tokens)
+
+
+def _best(completions: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """All completions when there are n; else the n with the highest cumulative logprob, re-indexed."""
+    if len(completions) == n:
+        return completions
+    ranked = sorted(completions, key=lambda c: -math.inf if c.cumulative_logprob is None else c.cumulative_logprob,
+                    reverse=True)
+    return [dataclasses.replace(c, index=i) for i, c in enumerate(ranked[:n])]
