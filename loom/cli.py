@@ -109,6 +109,9 @@ def bench(
     parallel: bool = typer.Option(False, "--parallel",
                                   help="Also run the parallel sampling suites: cost of n = 1,4,8,16 completions "
                                        "with and without prompt sharing, and GSM8K accuracy (see --limit)."),
+    parallel_n: str | None = typer.Option(None, "--parallel-n",
+                                          help="Completions per prompt of the --parallel cost runs (default: "
+                                               "1,4,8,16; quick: 1,4)."),
     limit: int | None = typer.Option(None, "--limit", min=0,
                                      help="GSM8K problems of the --parallel quality suite (default 200; quick: 2; "
                                           "0 skips it)."),
@@ -129,7 +132,8 @@ def bench(
             raise BenchError(f"{flag} is not yet available in loom bench")
     settings = BenchSettings.preset(quick).replace(
         concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
-        prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit)
+        prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
+        parallel_n=_int_list(parallel_n, "--parallel-n"))
     if parallel:
         from loom.bench.suites import PARALLEL_SUITES
 
