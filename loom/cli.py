@@ -116,10 +116,26 @@ def bench(
                                      help="GSM8K problems of the --parallel quality suite (default 200; quick: 2; "
                                           "0 skips it)."),
     server: str | None = typer.Option(None, "--server", metavar="URL",
-                                      help="Measure a running server at URL (not yet available)."),
+                                      help="Load-test a running OpenAI-compatible server at URL instead (Poisson "
+                                           "arrivals at each of --rates; key from $OPENAI_API_KEY)."),
+    rates: str | None = typer.Option(None, "--rates",
+                                     help="--server: request rates in req/s, 'max' = all at once "
+                                          "(default: 0.25,0.5,1,2,4,8,max; quick: 1,max)."),
+    num_requests: int | None = typer.Option(None, "--num-requests", min=1,
+                                            help="--server: requests per rate (default: 32; quick: 4)."),
+    duration: float | None = typer.Option(None, "--duration", min=0.001,
+                                          help="--server: send rate x SECONDS requests per rate instead."),
 ) -> None:
     """Measure loom and its peers in one run on the same GGUF and thread count, each engine in its own
-    process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time."""
+    process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time.
+    With --server URL: a load test of a running server from this process."""
+    if server is not None:
+        from loom.bench.load_command import run_load_command
+
+        run_load_command(server, model=model, rates=rates, num_requests=num_requests, duration=duration,
+                         max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path, plot=plot,
+                         out=out, err=err)
+        return
     from loom.bench.harness import BenchRequest, run_bench
     from loom.bench.peers import parse_peers
     from loom.bench.prompts import SPEC_BENCH_PATH
@@ -127,9 +143,8 @@ def bench(
     from loom.bench.settings import BenchError, BenchSettings
     from loom.config import physical_cores
 
-    for flag, given in (("--spec", spec), ("--server", server is not None)):
-        if given:
-            raise BenchError(f"{flag} is not yet available in loom bench")
+    if spec:
+        raise BenchError("--spec is not yet available in loom bench")
     settings = BenchSettings.preset(quick).replace(
         concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
         prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,

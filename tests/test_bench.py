@@ -93,10 +93,9 @@ def test_parallel_suites_quick(tiny_llama_path: Path, prompts_file: Path, tmp_pa
 
 
 def test_future_flags_are_refused_clearly() -> None:
-    for args in (["--spec"], ["--server", "http://127.0.0.1:8000"]):
-        result = CliRunner().invoke(app, ["bench", *args])
-        assert result.exit_code == 1
-        assert "not yet available" in result.output
+    result = CliRunner().invoke(app, ["bench", "--spec"])
+    assert result.exit_code == 1
+    assert "not yet available" in result.output
 
 
 def test_parse_peers() -> None:
@@ -136,3 +135,98 @@ def test_percentile() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+# -- loom bench --server (load test) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One `loom serve` process on the tiny llama."""
+    from loom_server import LoomServer
+
+    server = LoomServer("load", tiny_llama_path, ["--threads", "1", "--num-blocks", "256", "--no-access-log"],
+                        tmp_path_factory.mktemp("load_logs"))
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def test_load_test_against_a_real_server(tiny_server, prompts_file: Path, tmp_path: Path) -> None:
+    report_path, plot_dir = tmp_path / "load.json", tmp_path / "plots"
+    result = CliRunner().invoke(app, ["bench", "--server", tiny_server.url, "--rates", "4,max", "--num-requests", "3",
+                                      "--max-tokens", "6", "--prompts", str(prompts_file), "--json", str(report_path),
+                                      "--plot", str(plot_dir)])
+    assert result.exit_code == 0, result.output
+    assert "saturation" in result.output
+    report = json.loads(report_path.read_text())
+    assert report["kind"] == "load" and report["model"] == "tiny-llama"
+    assert [lv["label"] for lv in report["levels"]] == ["4", "max"]
+    for level in report["levels"]:
+        assert level["requests"] == 3 == level["ok"] + level["rejected_429"] + level["errors"]
+        assert level["errors"] == 0, level["error_samples"]
+        assert level["usage_reported"] and 0 < level["output_tokens"] <= 6 * level["ok"]
+        assert level["achieved_rps"] > 0 and level["output_tok_s"] > 0
+        for key in ("ttft_ms", "e2e_ms"):
+            assert 0 <= level[key]["p50"] <= level[key]["p99"]
+        assert level["ttft_ms"]["p50"] <= level["e2e_ms"]["p99"]
+        if level["itl_ms"] is not None:
+            assert 0 <= level["itl_ms"]["p50"] <= level["itl_ms"]["p99"]
+    assert "tracking" in report["levels"][0] and "tracking" not in report["levels"][1]
+    assert {p.name for p in plot_dir.iterdir()} == {"load_throughput.png", "load_latency.png"}
+
+    from loom.bench.load_report import markdown
+
+    section = markdown(report)
+    assert "| rate req/s |" in section and "\n| max |" in section
+
+
+def test_load_rates_counts_and_arrivals() -> None:
+    import math
+    import random
+
+    from loom.bench.load import LoadSettings, arrival_times, parse_rates
+
+    assert parse_rates("2, 0.5,max,2") == (0.5, 2.0, math.inf)
+    for bad in ("", "0", "-1", "fast", "nan"):
+        with pytest.raises(BenchError):
+            parse_rates(bad)
+    times = arrival_times(2.0, 50, random.Random(0))
+    assert times[0] == 0 and times == sorted(times) and len(set(times)) == 50
+    assert arrival_times(2.0, 50, random.Random(0)) == times
+    assert arrival_times(math.inf, 3, random.Random(0)) == [0.0, 0.0, 0.0]
+    by_time = LoadSettings(url="http://x", rates=(0.5, 4.0, math.inf), num_requests=None, duration=10)
+    assert by_time.counts() == [5, 40, 40] and by_time.api_base == "http://x/v1"
+    with pytest.raises(BenchError):
+        LoadSettings(url="http://x", num_requests=4, duration=10)
+
+
+def test_load_summary_and_saturation_from_hand_made_records() -> None:
+    from loom.bench.load import RequestRecord, saturation, summarize
+
+    def answered(sent: float, first: float, chunks: list[float], tokens: int) -> RequestRecord:
+        return RequestRecord(sent=sent, status=200, first_token=first, end=chunks[-1], chunk_times=chunks,
+                             output_tokens=tokens, usage_reported=True)
+
+    calm = summarize(1.0, [answered(0.0, 0.1, [0.1, 0.2, 0.4], 3), answered(1.0, 1.1, [1.1, 1.3, 1.6], 3)])
+    assert calm["ok"] == 2 and calm["output_tokens"] == 6 and calm["duration_seconds"] == pytest.approx(1.6)
+    assert calm["achieved_rps"] == pytest.approx(2 / 1.6) and calm["send_window_seconds"] == 1.0
+    assert calm["ttft_ms"]["p50"] == pytest.approx(100) and calm["e2e_ms"]["p99"] == pytest.approx(597, abs=3)
+    assert calm["itl_ms"]["p50"] == pytest.approx(200)  # gaps 100, 200, 200, 300
+
+    overloaded = summarize(2.0, [answered(0.0, 2.0, [2.0, 3.0], 2), RequestRecord(sent=0.5, status=429,
+                                                                                   error="HTTP 429: full"),
+                                 RequestRecord(sent=0.6, error="ConnectError: refused")])
+    assert (overloaded["ok"], overloaded["rejected_429"], overloaded["errors"]) == (1, 1, 1)
+    assert overloaded["error_samples"] == ["ConnectError: refused"]
+    slow = summarize(4.0, [answered(0.0, 1.5, [1.5, 2.4], 2), answered(0.25, 2.0, [2.0, 2.9], 2)])
+    at_once = summarize(float("inf"), [answered(0.0, 0.1, [0.1, 0.5], 2)])
+    assert at_once["rate"] is None and at_once["label"] == "max"
+
+    verdict = saturation([calm, slow, at_once])
+    assert verdict["baseline_e2e_ms"] == pytest.approx(500)
+    assert calm["tracking"] == pytest.approx((2 / 1.6) / (2 / 1.5)) and calm["saturated"] == []
+    assert slow["saturated"] and verdict["rate"] == 4.0 and "saturated" not in at_once
+    assert "failed requests" in saturation([calm, overloaded])["reasons"]
+    assert saturation([calm])["rate"] is None

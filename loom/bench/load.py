@@ -1,0 +1,335 @@
+"""`loom bench --server URL`: a load test of a running OpenAI-compatible server, from this process.
+
+Only the public OpenAI API is used (``GET /v1/models``, streaming ``POST /v1/chat/completions``
+with ``stream_options.include_usage``), so any such server can be measured: loom's own,
+llama.cpp's ``llama-server``, vLLM.
+
+For every rate of a ladder (requests per second; ``max`` sends every request at once), requests
+arrive as a Poisson process (exponential gaps, seeded) carrying Spec-Bench first turns. Each
+request records when it was sent, when its first content token arrived (TTFT), the gaps between
+content chunks (inter-token latency, ITL), when it ended (end-to-end latency) and its output
+tokens (the usage chunk; without one, the content chunks). A 429 counts as rejected, any other
+failure as an error.
+
+Per rate: ``duration`` runs from the first send to the last answer; achieved request throughput
+is ok requests / duration and output throughput is their tokens / duration.
+
+Saturation. With L0 the median end-to-end latency at the lowest rate (the unloaded latency),
+a server that keeps up finishes each request about L0 after sending it, so N requests sent over
+a window W are done after about W + L0: ``expected_rps = N / (W + L0)`` and
+``tracking = achieved_rps / expected_rps`` (about 1 while the server keeps up). The saturation
+rate is the lowest finite rate where tracking drops below `MIN_TRACKING`, the median end-to-end
+latency exceeds `LATENCY_BLOWUP` × L0, or any request is rejected or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.bench.prompts import SPEC_BENCH_PATH, load_spec_bench
+from loom.bench.settings import BenchError
+from loom.bench.stats import percentile
+
+DEFAULT_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
+QUICK_RATES = (1.0, math.inf)
+DEFAULT_REQUESTS = 32
+DEFAULT_MAX_TOKENS = 128
+MIN_TRACKING = 0.9
+LATENCY_BLOWUP = 3.0
+PERCENTILES = (50, 99)
+REQUEST_TIMEOUT_S = 600.0
+MAX_ERROR_SAMPLES = 5
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """'0.5,1,max' -> (0.5, 1.0, inf): positive rates in req/s, 'max' or 'inf' for all at once."""
+    rates = []
+    for part in (p.strip().lower() for p in text.split(",")):
+        if not part:
+            continue
+        if part in ("max", "inf"):
+            rates.append(math.inf)
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            raise BenchError(f"--rates: expected numbers or 'max', got {part!r}") from None
+        if not rate > 0 or math.isnan(rate):
+            raise BenchError(f"--rates: a rate must be positive, got {part!r}")
+        rates.append(rate)
+    if not rates:
+        raise BenchError("--rates: no rate given")
+    return tuple(sorted(set(rates)))
+
+
+def rate_label(rate: float) -> str:
+    return "max" if math.isinf(rate) else f"{rate:g}"
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """The load test's plan.
+
+    url: the server's base URL (``/v1`` is appended unless it ends with it).
+    rates: offered request rates in req/s, ascending; inf sends every request at once.
+    num_requests / duration: requests per rate, either a fixed count or rate × duration
+    seconds (the ``max`` point then takes the largest count of the ladder).
+    max_tokens: the ``max_tokens`` of every request; temperature 0 unless told.
+    prompt_chars: prompts are cut to this many characters (about 4 per token).
+    """
+
+    url: str
+    rates: tuple[float, ...] = DEFAULT_RATES
+    num_requests: int | None = DEFAULT_REQUESTS
+    duration: float | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    prompt_chars: int = 1000
+    seed: int = 0
+    model: str | None = None
+    api_key: str | None = None
+    prompts_path: Path = SPEC_BENCH_PATH
+
+    def __post_init__(self) -> None:
+        if (self.num_requests is None) == (self.duration is None):
+            raise BenchError("give either a request count per rate or a duration per rate, not both")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise BenchError(f"--num-requests must be >= 1, got {self.num_requests}")
+        if self.duration is not None and not self.duration > 0:
+            raise BenchError(f"--duration must be positive, got {self.duration}")
+        if self.max_tokens < 1 or self.prompt_chars < 1:
+            raise BenchError("max_tokens and prompt_chars must be >= 1")
+        if not self.rates:
+            raise BenchError("no rate to measure")
+
+    @property
+    def api_base(self) -> str:
+        base = self.url.rstrip("/")
+        return base if base.endswith("/v1") else f"{base}/v1"
+
+    def counts(self) -> list[int]:
+        """Requests sent at each rate of the ladder."""
+        if self.num_requests is not None:
+            return [self.num_requests] * len(self.rates)
+        finite = [max(1, round(r * self.duration)) for r in self.rates if not math.isinf(r)]
+        top = max(finite, default=max(1, round(self.duration)))
+        return [top if math.isinf(r) else max(1, round(r * self.duration)) for r in self.rates]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.url, "rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
+                "duration": self.duration, "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path)}
+
+
+@dataclass
+class RequestRecord:
+    """One request's timeline, in seconds from the start of its rate's run."""
+
+    sent: float
+    status: int | None = None        # HTTP status (None: no answer)
+    error: str | None = None
+    first_token: float | None = None
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    usage_reported: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.end is not None
+
+    @property
+    def rejected(self) -> bool:
+        return self.status == 429
+
+
+def arrival_times(rate: float, count: int, rng: random.Random) -> list[float]:
+    """Send offsets of `count` Poisson arrivals at `rate` per second, the first at 0; all 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * count
+    times, t = [], 0.0
+    for i in range(count):
+        if i:
+            t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def _payload(settings: LoadSettings, model: str, prompt: str) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": settings.max_tokens,
+            "temperature": settings.temperature, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], record: RequestRecord,
+                clock: Callable[[], float]) -> None:
+    """Streams one chat completion into `record`; never raises for a failed request."""
+    try:
+        async with client.stream("POST", f"{settings.api_base}/chat/completions", json=payload) as response:
+            record.status = response.status_code
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status_code}: {body[:200]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    record.error = f"in-stream error: {json.dumps(chunk['error'])[:200]}"
+                    return
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                    now = clock()
+                    record.first_token = now if record.first_token is None else record.first_token
+                    record.chunk_times.append(now)
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    record.output_tokens = int(usage["completion_tokens"])
+                    record.usage_reported = True
+        if not record.usage_reported:
+            record.output_tokens = len(record.chunk_times)
+        record.end = clock()
+    except Exception as e:  # noqa: BLE001 - a failed request is a measurement, not a crash
+        record.error = f"{type(e).__name__}: {e}"[:300]
+
+
+async def run_rate(client: Any, settings: LoadSettings, model: str, prompts: list[str], rate: float, count: int,
+                   rng: random.Random, on_done: Callable[[], None] = lambda: None) -> list[RequestRecord]:
+    """Sends `count` requests at Poisson arrivals of `rate` and waits for every answer."""
+    offsets = arrival_times(rate, count, rng)
+    start = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - start
+
+    async def one(i: int, offset: float) -> RequestRecord:
+        await asyncio.sleep(max(0.0, offset - clock()))
+        record = RequestRecord(sent=clock())
+        await _send(client, settings, _payload(settings, model, prompts[i % len(prompts)]), record, clock)
+        on_done()
+        return record
+
+    return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(offsets))))
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    return {f"p{q}": percentile(values, q) * 1e3 for q in PERCENTILES} if values else None
+
+
+def summarize(rate: float, records: list[RequestRecord]) -> dict[str, Any]:
+    """One rate's figures (latencies in ms); `saturation` adds tracking and the verdict later."""
+    ok = [r for r in records if r.ok]
+    end = max((r.end for r in ok), default=None)
+    duration = (end - min(r.sent for r in records)) if end is not None else None
+    tokens = sum(r.output_tokens for r in ok)
+    itls = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    errors = [r.error for r in records if not r.ok and not r.rejected and r.error]
+    return {
+        "rate": None if math.isinf(rate) else rate,
+        "label": rate_label(rate),
+        "requests": len(records),
+        "ok": len(ok),
+        "rejected_429": sum(r.rejected for r in records),
+        "errors": len(records) - len(ok) - sum(r.rejected for r in records),
+        "error_samples": list(dict.fromkeys(errors))[:MAX_ERROR_SAMPLES],
+        "send_window_seconds": max(r.sent for r in records) - min(r.sent for r in records),
+        "duration_seconds": duration,
+        "achieved_rps": len(ok) / duration if duration else None,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / duration if duration else None,
+        "usage_reported": all(r.usage_reported for r in ok),
+        "ttft_ms": _quantiles([r.first_token - r.sent for r in ok if r.first_token is not None]),
+        "itl_ms": _quantiles(itls),
+        "e2e_ms": _quantiles([r.end - r.sent for r in ok]),
+    }
+
+
+def saturation(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """Adds ``expected_rps``, ``tracking`` and ``saturated`` to each finite level (see the module
+    docstring) and returns the verdict: the saturation rate (None: every finite rate kept up)."""
+    finite = [lv for lv in levels if lv["rate"] is not None]
+    baseline = next((lv["e2e_ms"]["p50"] / 1e3 for lv in finite if lv["e2e_ms"]), None)
+    first = None
+    for lv in finite:
+        reasons = []
+        if lv["rejected_429"] or lv["errors"]:
+            reasons.append("failed requests")
+        if baseline is not None and lv["achieved_rps"]:
+            lv["expected_rps"] = lv["requests"] / (lv["send_window_seconds"] + baseline)
+            lv["tracking"] = lv["achieved_rps"] / lv["expected_rps"]
+            if lv["tracking"] < MIN_TRACKING:
+                reasons.append(f"tracking {lv['tracking']:.2f} < {MIN_TRACKING}")
+            if lv["e2e_ms"]["p50"] / 1e3 > LATENCY_BLOWUP * baseline:
+                reasons.append(f"median latency > {LATENCY_BLOWUP:g}x the lowest rate's")
+        lv["saturated"] = reasons
+        if reasons and first is None:
+            first = lv
+    return {"rate": first["rate"] if first else None, "reasons": first["saturated"] if first else [],
+            "baseline_e2e_ms": baseline * 1e3 if baseline is not None else None,
+            "min_tracking": MIN_TRACKING, "latency_blowup": LATENCY_BLOWUP}
+
+
+def _served_model(client: Any, settings: LoadSettings) -> str:
+    """`settings.model` when the server lists it, else the first model of ``GET /v1/models``."""
+    try:
+        response = client.get(f"{settings.api_base}/models")
+        response.raise_for_status()
+        ids = [m["id"] for m in response.json().get("data", [])]
+    except Exception as e:  # noqa: BLE001 - any failure here means the URL is not a usable server
+        raise BenchError(f"cannot list models at {settings.api_base}/models: {e}") from None
+    if not ids:
+        raise BenchError(f"{settings.api_base}/models lists no model")
+    return settings.model if settings.model in ids else ids[0]
+
+
+def _headers(settings: LoadSettings) -> dict[str, str]:
+    key = settings.api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
+    """Runs the whole ladder and returns the report (JSON-able). `progress`, a rich Progress,
+    gets one task advanced per answered request."""
+    try:
+        import httpx
+    except ImportError:
+        raise BenchError("--server needs httpx (pip install httpx)") from None
+
+    prompts = [p[:settings.prompt_chars] for p in load_spec_bench(settings.prompts_path)]
+    with httpx.Client(headers=_headers(settings), timeout=30) as client:
+        model = _served_model(client, settings)
+    counts = settings.counts()
+    task = progress.add_task("load test", total=sum(counts)) if progress is not None else None
+
+    async def ladder() -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(counts))
+        timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30)
+        levels = []
+        async with httpx.AsyncClient(headers=_headers(settings), limits=limits, timeout=timeout) as client:
+            for i, (rate, count) in enumerate(zip(settings.rates, counts)):
+                if task is not None:
+                    progress.update(task, description=f"rate {rate_label(rate)} req/s, {count} requests")
+                records = await run_rate(client, settings, model, prompts, rate, count,
+                                         random.Random(settings.seed * 1000 + i),
+                                         (lambda: progress.advance(task)) if task is not None else (lambda: None))
+                levels.append(summarize(rate, records))
+        return levels
+
+    started = time.time()
+    levels = asyncio.run(ladder())
+    verdict = saturation(levels)
+    return {"kind": "load", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "server": settings.api_base, "model": model, "settings": settings.to_json(),
+            "prompts": f"Spec-Bench first turns, round-robin over categories, cut to {settings.prompt_chars} "
+                       f"characters", "levels": levels, "saturation": verdict}
