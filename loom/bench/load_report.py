@@ -82,15 +82,21 @@ def notes(report: dict[str, Any]) -> list[str]:
 
 
 def build_table(report: dict[str, Any]) -> Table:
+    """Metrics as rows, one column per rate (narrow enough for a terminal); the saturation rate's
+    column is marked."""
     table = Table(title=f"loom bench --server: {escape(report['model'])} at {escape(report['server'])}",
                   title_justify="left")
-    table.add_column("rate\nreq/s", justify="right", no_wrap=True)
-    for header, unit, _ in COLUMNS:
-        table.add_column(f"{header}\n{unit}" if unit else header, justify="right", no_wrap=True)
+    table.add_column("rate (req/s)", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
     saturated = report["saturation"]["rate"]
-    for lv, cells in zip(report["levels"], rows(report)):
-        style = "yellow" if saturated is not None and lv["rate"] == saturated else None
-        table.add_row(*cells, style=style)
+    for lv in report["levels"]:
+        mark = " [yellow]*[/yellow]" if saturated is not None and lv["rate"] == saturated else ""
+        table.add_column(escape(lv["label"]) + mark, justify="right", no_wrap=True)
+    for header, unit, get in COLUMNS:
+        table.add_row(header, unit, *(_fmt(get(lv)) for lv in report["levels"]))
+    if saturated is not None:
+        table.caption = "* the saturation rate"
+        table.caption_justify = "left"
     return table
 
 
