@@ -230,3 +230,49 @@ def test_load_summary_and_saturation_from_hand_made_records() -> None:
     assert slow["saturated"] and verdict["rate"] == 4.0 and "saturated" not in at_once
     assert "failed requests" in saturation([calm, overloaded])["reasons"]
     assert saturation([calm])["rate"] is None
+
+
+# -- GSM8K quality suite: every sampled method from one set of samples -------------------------------
+
+
+def _sample(index: int, text: str, length: int, mean_logprob: float):
+    from loom.outputs import CompletionOutput
+
+    return CompletionOutput(index=index, text=text, token_ids=list(range(length)),
+                            cumulative_logprob=mean_logprob * length, finish_reason="stop")
+
+
+def test_score_samples_shares_one_set_of_samples() -> None:
+    from loom.bench.suites.parallel import score_samples
+    from loom.parallel.aggregators import create_extractor
+
+    samples = [_sample(0, "so #### 7", 30, -0.9), _sample(1, "#### 5", 10, -0.5), _sample(2, "it is 5", 12, -0.4),
+               _sample(3, "#### 7", 40, -0.2), _sample(4, "#### 7", 50, -0.3), _sample(5, "no idea", 20, -1.0)]
+    got = score_samples(samples, 3, create_extractor("gsm8k"))
+    total = 30 + 10 + 12 + 40 + 50 + 20
+    assert got["self_consistency"] == ("7", total)  # 7 x3, 5 x2
+    assert got["best_of"] == ("7", total)  # sample 3: mean logprob -0.2
+    # the 3 first to finish are the 10-, 12- and 20-token samples (answers 5, 5, none); the run
+    # would have stopped at token 20, spending min(length, 20) on each sample
+    assert got["short_m_at_k"] == ("5", 20 + 10 + 12 + 20 + 20 + 20)
+    assert score_samples(samples, 99, create_extractor("gsm8k"))["short_m_at_k"] == ("7", total)
+    assert score_samples(samples, 1, create_extractor("gsm8k"))["short_m_at_k"] == ("5", 6 * 10)
+
+
+def test_quality_prompts_chat_or_few_shot(tiny_llama_path: Path, tiny_gemma3_path: Path) -> None:
+    from loom.bench.suites.parallel import FEW_SHOTS, load_gsm8k, quality_prompts
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+
+    problems = load_gsm8k(2)
+    assert load_gsm8k(1) == problems[:1] and all(p["answer"] for p in problems)
+    chat_tok = Tokenizer.from_gguf(GGUFFile.open(tiny_llama_path))
+    prompts, stop, kind = quality_prompts(chat_tok, problems)
+    assert kind == "chat" and stop == [] and len(prompts) == 2
+    plain_tok = Tokenizer.from_gguf(GGUFFile.open(tiny_gemma3_path))
+    assert plain_tok.chat_template is None
+    prompts, stop, kind = quality_prompts(plain_tok, problems)
+    text = plain_tok.decode(prompts[0]["prompt_token_ids"])
+    assert kind == f"{FEW_SHOTS}-shot" and stop == ["Question:"]
+    assert text.count("Question:") == FEW_SHOTS + 1 and text.count("####") == FEW_SHOTS
+    assert text.endswith("Answer:") and problems[0]["question"] in text and "<<" not in text

@@ -164,7 +164,9 @@ def notes(report: dict[str, Any]) -> list[str]:
                      f"shared), independent = n requests without prefix caching, prefix_cache = n requests with it")
     if "parallel_quality" in s.get("suites", ()) and s.get("quality_limit"):
         lines.append(f"GSM8K: {s['quality_limit']} fixed train problems; k={s['quality_k']}, m={s['quality_m']}, "
-                     f"at most {s['quality_max_tokens']} tokens per answer; tokens / problem counts every child")
+                     f"at most {s['quality_max_tokens']} tokens per answer; the three sampled methods share one "
+                     f"set of k samples per problem; tokens / problem: every sample's tokens, for short-m@k "
+                     f"only those generated until the m-th sample finished")
     lines += report["workload"]["notes"]
     for label, entry in report["engines"].items():
         if entry["status"] == "ok":
