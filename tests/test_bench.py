@@ -182,6 +182,14 @@ def test_load_test_against_a_real_server(tiny_server, prompts_file: Path, tmp_pa
     assert "| rate req/s |" in section and "\n| max |" in section
 
 
+def test_load_test_of_no_server_fails_clearly(prompts_file: Path) -> None:
+    from loom_server import free_port
+
+    result = CliRunner().invoke(app, ["bench", "--server", f"http://127.0.0.1:{free_port()}", "--quick",
+                                      "--prompts", str(prompts_file)])
+    assert result.exit_code == 1 and "cannot list models" in result.output
+
+
 def test_load_rates_counts_and_arrivals() -> None:
     import math
     import random

@@ -4,12 +4,13 @@ Only the public OpenAI API is used (``GET /v1/models``, streaming ``POST /v1/cha
 with ``stream_options.include_usage``), so any such server can be measured: loom's own,
 llama.cpp's ``llama-server``, vLLM.
 
-For every rate of a ladder (requests per second; ``max`` sends every request at once), requests
-arrive as a Poisson process (exponential gaps, seeded) carrying Spec-Bench first turns. Each
-request records when it was sent, when its first content token arrived (TTFT), the gaps between
-content chunks (inter-token latency, ITL), when it ended (end-to-end latency) and its output
-tokens (the usage chunk; without one, the content chunks). A 429 counts as rejected, any other
-failure as an error.
+After one unmeasured warm-up request, for every rate of a ladder (requests per second; ``max``
+sends every request at once) requests arrive as a Poisson process (exponential gaps, seeded)
+carrying Spec-Bench first turns; each rate takes the prompts after the previous rate's, so a
+server's prefix cache does not favour the later rates. Each request records when it was sent,
+when its first content token arrived (TTFT), the gaps between content chunks (inter-token
+latency, ITL), when it ended (end-to-end latency) and its output tokens (the usage chunk;
+without one, the content chunks). A 429 counts as rejected, any other failure as an error.
 
 Per rate: ``duration`` runs from the first send to the last answer; achieved request throughput
 is ok requests / duration and output throughput is their tokens / duration.
@@ -206,7 +207,7 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
 
 async def run_rate(client: Any, settings: LoadSettings, model: str, prompts: list[str], rate: float, count: int,
                    rng: random.Random, on_done: Callable[[], None] = lambda: None) -> list[RequestRecord]:
-    """Sends `count` requests at Poisson arrivals of `rate` and waits for every answer."""
+    """Sends `count` requests (`prompts` in turn) at Poisson arrivals of `rate` and waits for every answer."""
     offsets = arrival_times(rate, count, rng)
     start = time.perf_counter()
 
@@ -307,6 +308,7 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
         raise BenchError("--server needs httpx (pip install httpx)") from None
 
     prompts = [p[:settings.prompt_chars] for p in load_spec_bench(settings.prompts_path)]
+    measured = prompts[:-1]  # the last one warms the server up
     with httpx.Client(headers=_headers(settings), timeout=30) as client:
         model = _served_model(client, settings)
     counts = settings.counts()
@@ -317,13 +319,20 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30)
         levels = []
         async with httpx.AsyncClient(headers=_headers(settings), limits=limits, timeout=timeout) as client:
+            warmup = RequestRecord(sent=0.0)
+            await _send(client, settings, _payload(settings, model, prompts[-1]), warmup, time.perf_counter)
+            if not warmup.ok:
+                raise BenchError(f"the warm-up request to {settings.api_base}/chat/completions failed: {warmup.error}")
+            sent = 0
             for i, (rate, count) in enumerate(zip(settings.rates, counts)):
                 if task is not None:
                     progress.update(task, description=f"rate {rate_label(rate)} req/s, {count} requests")
-                records = await run_rate(client, settings, model, prompts, rate, count,
+                fresh = [measured[(sent + j) % len(measured)] for j in range(count)]
+                records = await run_rate(client, settings, model, fresh, rate, count,
                                          random.Random(settings.seed * 1000 + i),
                                          (lambda: progress.advance(task)) if task is not None else (lambda: None))
                 levels.append(summarize(rate, records))
+                sent += count
         return levels
 
     started = time.time()
@@ -332,4 +341,6 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
     return {"kind": "load", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "server": settings.api_base, "model": model, "settings": settings.to_json(),
             "prompts": f"Spec-Bench first turns, round-robin over categories, cut to {settings.prompt_chars} "
-                       f"characters", "levels": levels, "saturation": verdict}
+                       f"characters; each rate continues where the previous one stopped (no prompt repeats "
+                       f"before all {len(measured)} were sent), after one unmeasured warm-up request",
+            "levels": levels, "saturation": verdict}
