@@ -159,7 +159,8 @@ class ParallelQualitySuite(Suite):
             return skipped or {"problems": 0, "methods": {}}
         greedy_label, samples_label = self.steps(s)
         problems = load_gsm8k(s.quality_limit)
-        prompts, stop, prompt_format = quality_prompts(ctx.peer.engine.tokenizer, problems)  # type: ignore[attr-defined]
+        tokenizer = ctx.peer.engine.tokenizer  # type: ignore[attr-defined]
+        prompts, stop, prompt_format = quality_prompts(tokenizer, problems)
         llm = LLM.from_engine(_quality_engine(ctx, prompts))
         base = SamplingParams(max_tokens=s.quality_max_tokens, stop=stop)
         runs: dict[str, tuple[list[Any], float]] = {}
