@@ -15,9 +15,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, pinned: this CPU build satisfies the package's torch requirement, so pip never pulls a CUDA build.
+# Then loom's C++ kernels are compiled for this CPU (about a minute; loom falls back to torch without them).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m loom.kernels
 	touch $@
 
 install: $(STAMP)

@@ -14,9 +14,9 @@ from loom.errors import InvalidRequestError
 # dtype choice -> linear backend mode (loom.model.layers.linear). Activations, the residual
 # stream and the KV cache stay float32 in every mode.
 DTYPES = {
+    "auto": "auto",       # the fastest: loom's kernels over the GGUF codes (int8 activations)
     "float32": "exact",   # dense float32: bit-identical to the reference implementation
     "bfloat16": "bf16",   # dense bfloat16 weights (oneDNN)
-    "auto": "auto",       # int4/int8 weight-only kernels at small batch, bf16 GEMM above
 }
 
 
@@ -37,7 +37,7 @@ def physical_cores() -> int:
 @dataclass(frozen=True)
 class LoadConfig:
     model: str = "smollm2-135m"  # a registry name or a path to a .gguf file
-    dtype: str = "float32"       # "float32" (exact reference mode), "bfloat16" or "auto" (fastest)
+    dtype: str = "auto"          # "auto" (fastest), "float32" (exact reference mode) or "bfloat16"
     threads: int | None = None   # torch intra-op threads; None = physical core count
 
     def __post_init__(self):

@@ -1,14 +1,17 @@
-"""Repacking GGUF quantized blocks for loom's quantized linear backends.
+"""Repacking GGUF quantized blocks into loom's quantized weight forms.
 
-4-bit GGUF types whose 32-element groups are affine (Q4_0, Q4_1, Q4_K) map exactly onto
-torch's int4 group-wise layout, where a weight is `(q - 8) * scale + zero`, q in 0..15:
+Every form is per 32-element group affine: w = a * q + b, q an unsigned code.
 
-    Q4_0:  w = d * (q - 8)            -> scale = d,      zero = 0
-    Q4_1:  w = d * q + m              -> scale = d,      zero = m + 8 d
-    Q4_K:  w = d*sc * q - dmin*mn     -> scale = d*sc,   zero = 8 d*sc - dmin*mn   (per 32-group of a 256 super-block)
+    Q4_0:  w = d * (q - 8)            -> 4-bit, a = d,      b = -8 d
+    Q4_1:  w = d * q + m              -> 4-bit, a = d,      b = m
+    Q4_K:  w = d*sc * q - dmin*mn     -> 4-bit, a = d*sc,   b = -dmin*mn   (per 32-group of a 256 super-block)
+    Q5_0:  w = d * (q - 16)           -> 8-bit codes 0..31, a = d, b = -16 d
+    Q5_1:  w = d * q + m              -> 8-bit codes 0..31, a = d, b = m
+    Q8_0:  w = d * s, s in -128..127  -> 8-bit codes s + 128, a = d, b = -128 d
 
-Other types (Q5_0, Q8_0, Q6_K, F16, ...) have no exact int4 form; the int8 backend
-requantizes them per output channel.
+These are exact. Other types (Q6_K, Q5_K, F16, ...) are requantized from their float32
+values to 8-bit codes per group (min/max affine), far finer than the source's own step.
+torch's int4 kernel (the fallback path) wants `(q - 8) * scale + zero`: scale = a, zero = b + 8 a.
 """
 
 from __future__ import annotations
@@ -21,28 +24,51 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import Q4_K
 
 GROUP = 32
+ROWS = 16  # output rows per block of the packed kernel layout
 
 
 @dataclass
-class Int4Groups:
-    """q: [N, K] uint8 in 0..15; scale, zero: [N, K / 32] float32."""
+class QuantCodes:
+    """q: [N, K] uint8 codes (< 2**bits); a, b: [N, K / 32] float32; w = a * q + b per group."""
 
     q: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    bits: int
 
-    def permute_rows(self, order: torch.Tensor) -> "Int4Groups":
-        return Int4Groups(self.q[order], self.scale[order], self.zero[order])
+    def permute_rows(self, order: torch.Tensor) -> "QuantCodes":
+        return QuantCodes(self.q[order], self.a[order], self.b[order], self.bits)
 
     @staticmethod
-    def cat(parts: list["Int4Groups"]) -> "Int4Groups":
-        return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]))
+    def cat(parts: list["QuantCodes"]) -> "QuantCodes":
+        """Row-stacked; mixed widths are stored as 8-bit (a 4-bit code is a valid 8-bit one)."""
+        return QuantCodes(torch.cat([p.q for p in parts]), torch.cat([p.a for p in parts]),
+                          torch.cat([p.b for p in parts]), max(p.bits for p in parts))
 
     def dequantize(self) -> torch.Tensor:
-        g = self.q.shape[1] // GROUP
-        w = self.q.float().view(self.q.shape[0], g, GROUP) - 8
-        return (w * self.scale[..., None] + self.zero[..., None]).view(self.q.shape)
+        n, k = self.q.shape
+        w = self.q.float().view(n, k // GROUP, GROUP) * self.a[..., None] + self.b[..., None]
+        return w.view(n, k)
+
+    def int4_scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero) of torch's int4 form (4-bit codes only)."""
+        assert self.bits == 4
+        return self.a, self.b + 8 * self.a
+
+    @staticmethod
+    def requantize(w: torch.Tensor) -> "QuantCodes":
+        """8-bit codes of a float [N, K] matrix, per 32-group min/max (K a multiple of 32)."""
+        n, k = w.shape
+        g = w.float().view(n, k // GROUP, GROUP)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        a = (hi - lo) / 255.0
+        safe = torch.where(a > 0, a, torch.ones_like(a))
+        q = torch.round((g - lo[..., None]) / safe[..., None]).clamp(0, 255).to(torch.uint8)
+        return QuantCodes(q.view(n, k).contiguous(), a.contiguous(), lo.contiguous(), 8)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -50,20 +76,21 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def int4_groups(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Int4Groups | None:
-    """The exact int4 form of a [N, K] tensor stored as `qtype`, or None if it has none."""
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian 32-bit mask) -> [..., 32] bits, element j = bit j."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def exact_codes(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> QuantCodes | None:
+    """The exact code form of a [N, K] tensor stored as `qtype`, or None if it has none."""
     n, k = shape
     if qtype == QT.Q4_0:
         b = raw.reshape(n, k // 32, 18)
-        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = _nibbles(b[..., 2:])
-        scale, zero = d, np.zeros_like(d)
+        d = _f16(b[..., :2])
+        q, a, off, bits = _nibbles(b[..., 2:]), d, -8 * d, 4
     elif qtype == QT.Q4_1:
         b = raw.reshape(n, k // 32, 20)
-        d = b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = _nibbles(b[..., 4:])
-        scale, zero = d, m + 8 * d
+        q, a, off, bits = _nibbles(b[..., 4:]), _f16(b[..., :2]), _f16(b[..., 2:4]), 4
     elif qtype == QT.Q4_K:
         nb = n * (k // 256)
         b = raw.reshape(nb, 144)
@@ -73,10 +100,59 @@ def int4_groups(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Int4Group
         # 4 chunks of 32 bytes; low nibbles -> sub-block 2j, high nibbles -> sub-block 2j+1
         qs = b[:, 16:].reshape(nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & 0x0F).reshape(n, k // 32, 32)
-        scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
-        zero = (8 * scale - (dmin * mn.astype(np.float32)).reshape(n, k // 32))
+        a = (d * sc.astype(np.float32)).reshape(n, k // 32)
+        off = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
+        bits = 4
+    elif qtype == QT.Q5_0:
+        b = raw.reshape(n, k // 32, 22)
+        d = _f16(b[..., :2])
+        q = _nibbles(b[..., 6:]) | (_high_bits(b[..., 2:6]) << 4)
+        a, off, bits = d, -16 * d, 8
+    elif qtype == QT.Q5_1:
+        b = raw.reshape(n, k // 32, 24)
+        q = _nibbles(b[..., 8:]) | (_high_bits(b[..., 4:8]) << 4)
+        a, off, bits = _f16(b[..., :2]), _f16(b[..., 2:4]), 8
+    elif qtype == QT.Q8_0:
+        b = raw.reshape(n, k // 32, 34)
+        d = _f16(b[..., :2])
+        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        a, off, bits = d, -128 * d, 8
     else:
         return None
-    return Int4Groups(torch.from_numpy(np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8)),
-                      torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-                      torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
+    return QuantCodes(torch.from_numpy(np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8)),
+                      torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)),
+                      torch.from_numpy(np.ascontiguousarray(off, dtype=np.float32)), bits)
+
+
+@dataclass
+class PackedCodes:
+    """The kernel layout (see loom/kernels/csrc): one uint8 stream of blocks, each 16 output
+    rows x one group: [codes][a x 16][b x 16], a/b float16 when that is exact, else float32."""
+
+    w: torch.Tensor
+    n: int
+    k: int
+    bits: int
+    scales16: bool
+
+
+def pack_codes(c: QuantCodes) -> PackedCodes:
+    n, k = c.q.shape
+    g = k // GROUP
+    pad = (-n) % ROWS
+    q, a, b = c.q, c.a, c.b
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        a, b = torch.cat([a, a.new_zeros(pad, g)]), torch.cat([b, b.new_zeros(pad, g)])
+    nb = q.shape[0] // ROWS
+    if c.bits == 4:
+        # k within a group = 8 c + 4 h + j: byte (c, row, j) = code(8c + j) | code(8c + 4 + j) << 4
+        v = q.view(nb, ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)      # nb, g, c, row, j, h
+        codes = v[..., 0] | (v[..., 1] << 4)
+    else:
+        codes = q.view(nb, ROWS, g, 8, 4).permute(0, 2, 3, 1, 4)        # nb, g, c, row, j
+    scales16 = all(torch.equal(t.half().float(), t) for t in (a, b))
+    dt = torch.float16 if scales16 else torch.float32
+    per_block = lambda t: t.view(nb, ROWS, g).permute(0, 2, 1).to(dt).contiguous().view(torch.uint8)  # noqa: E731
+    w = torch.cat([codes.reshape(nb, g, -1), per_block(a), per_block(b)], dim=-1)
+    return PackedCodes(w.contiguous(), n, k, c.bits, scales16)

@@ -9,27 +9,38 @@ import torch
 
 from loom.errors import ModelLoadError
 from loom.loader.gguf import GGUFFile
-from loom.model.quant import Int4Groups, int4_groups
+from loom.model.quant import QuantCodes, exact_codes
 
 
 @dataclass
 class LinearWeight:
     """One [out, in] matrix (possibly several tensors stacked by rows, e.g. fused QKV).
 
-    `dense` is the exact float32 dequantization; `int4` its exact 4-bit group form when
-    every part is stored in an affine 4-bit GGUF type, else None.
+    `dense` is the exact float32 dequantization; `quant` its code form (loom.model.quant),
+    exact for the GGUF types that have one, else None; `codes()` then requantizes to 8 bits.
     """
 
     dense: torch.Tensor
-    int4: Int4Groups | None = None
+    quant: QuantCodes | None = None
+
+    def codes(self) -> QuantCodes:
+        return self.quant if self.quant is not None else QuantCodes.requantize(self.dense)
+
+    @property
+    def int4(self) -> QuantCodes | None:
+        """The exact 4-bit codes, if the stored type is a 4-bit one."""
+        return self.quant if self.quant is not None and self.quant.bits == 4 else None
 
     def permute_rows(self, order: torch.Tensor) -> "LinearWeight":
-        return LinearWeight(self.dense[order].contiguous(), self.int4.permute_rows(order) if self.int4 else None)
+        return LinearWeight(self.dense[order].contiguous(), self.quant.permute_rows(order) if self.quant else None)
 
     @staticmethod
     def cat(parts: list["LinearWeight"]) -> "LinearWeight":
-        int4 = Int4Groups.cat([p.int4 for p in parts]) if all(p.int4 is not None for p in parts) else None
-        return LinearWeight(torch.cat([p.dense for p in parts]), int4)
+        """Row-stacked (fused QKV, gate/up); parts without an exact form are requantized."""
+        dense = torch.cat([p.dense for p in parts])
+        if all(p.quant is None for p in parts):
+            return LinearWeight(dense)
+        return LinearWeight(dense, QuantCodes.cat([p.codes() for p in parts]))
 
 
 class GGUFWeights:
@@ -50,14 +61,14 @@ class GGUFWeights:
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
 
     def linear(self, name: str, shape: tuple[int, int], unpermute_heads: int | None = None) -> LinearWeight:
-        """A projection matrix, with its exact int4 form when the stored type has one.
+        """A projection matrix, with its exact code form when the stored type has one.
 
         `unpermute_heads`: Q/K of llama-architecture files, whose rows llama.cpp's converter
         interleaved per head for pairwise RoPE; undone here (a pure row reorder) so the
         rotate-half RoPE applies.
         """
         info = self.file.tensor_info(name)
-        w = LinearWeight(self.get(name, shape), int4_groups(np.asarray(self.file.raw(name)), info.qtype, shape))
+        w = LinearWeight(self.get(name, shape), exact_codes(np.asarray(self.file.raw(name)), info.qtype, shape))
         if unpermute_heads:
             n = shape[0]
             half = n // unpermute_heads // 2

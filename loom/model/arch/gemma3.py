@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.config import ModelConfig
-from loom.model.layers.attention import AttentionMetadata, paged_attention
-from loom.model.layers.linear import LinearBackend, make_linear
+from loom.model.layers.attention import AttentionMetadata, paged_attention, paged_attention_stored
+from loom.model.layers.linear import PRE_GEGLU, PRE_RMSNORM, LinearBackend, fused_kernels, make_linear
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.weights import GGUFWeights, LinearWeight
@@ -78,10 +78,14 @@ class Gemma3ForCausalLM:
         self.embed_scale = torch.tensor(D ** 0.5, dtype=torch.float32)
         self.rope_global = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
+        self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
+                                  Dh, D)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions: [T]; returns final hidden states [T, D] (after the output norm)."""
+        if self.kern is not None:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         T, H, Hkv, Dh = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed[input_ids] * self.embed_scale                       # [T, D]
@@ -98,6 +102,23 @@ class Gemma3ForCausalLM:
             h = h + rms_norm(layer.o(o), layer.post_attn_norm, eps)
             gate, up = layer.gate_up(rms_norm(h, layer.ffn_norm, eps)).chunk(2, dim=-1)
             h = h + rms_norm(layer.down(F.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm, eps)
+        return rms_norm(h, self.norm, eps)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches):
+        """The same function on loom's kernels, the residual updated in place."""
+        cfg, kern, eps = self.cfg, self.kern, self.cfg.rms_norm_eps
+        H, Hkv = cfg.num_heads, cfg.num_kv_heads
+        h = self.embed[input_ids] * self.embed_scale                       # [T, D]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            rope = self.rope_local if layer.sliding else self.rope_global
+            qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
+            kern.rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                            H, Hkv, layer.q_norm, layer.k_norm, eps)
+            window = cfg.sliding_window if layer.sliding else None
+            o = paged_attention_stored(qkv, H, k_cache, v_cache, meta, cfg.attn_scale, window, kern)
+            kern.add_rmsnorm(h, layer.o(o), layer.post_attn_norm, eps)
+            down = layer.down(layer.gate_up(h, PRE_RMSNORM, layer.ffn_norm, eps), PRE_GEGLU)
+            kern.add_rmsnorm(h, down, layer.post_ffn_norm, eps)
         return rms_norm(h, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.config import ModelConfig
-from loom.model.layers.attention import AttentionMetadata, paged_attention
-from loom.model.layers.linear import LinearBackend, make_linear
+from loom.model.layers.attention import AttentionMetadata, paged_attention, paged_attention_stored
+from loom.model.layers.linear import PRE_RMSNORM, PRE_SWIGLU, LinearBackend, fused_kernels, make_linear
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.weights import GGUFWeights, LinearWeight
@@ -61,10 +61,14 @@ class LlamaForCausalLM:
         self.lm_head = make_linear(head, linear)
         self.embed = embed.dense
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
+        self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
+                                  Dh, D)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids, positions: [T]; returns final hidden states [T, D] (after the output norm)."""
+        if self.kern is not None:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
         T, H, Hkv, Dh = input_ids.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed[input_ids]                                          # [T, D]
@@ -78,6 +82,21 @@ class LlamaForCausalLM:
             gate, up = layer.gate_up(rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches):
+        """The same function on loom's kernels: six calls per layer, the residual updated in place."""
+        cfg, kern, eps = self.cfg, self.kern, self.cfg.rms_norm_eps
+        H, Hkv = cfg.num_heads, cfg.num_kv_heads
+        h = self.embed[input_ids]                                          # [T, D]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
+            kern.rope_store(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
+                            meta.slot_mapping, H, Hkv, None, None, 0.0)
+            o = paged_attention_stored(qkv, H, k_cache, v_cache, meta, cfg.attn_scale, None, kern)
+            layer.o(o, out=h, accumulate=True)
+            gate_up = layer.gate_up(h, PRE_RMSNORM, layer.ffn_norm, eps)
+            layer.down(gate_up, PRE_SWIGLU, out=h, accumulate=True)
+        return rms_norm(h, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""

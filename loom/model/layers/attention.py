@@ -15,7 +15,8 @@ trees); keys before the new tokens stay visible.
 
 Two paths, chosen per sequence, that compute the same function:
   * decode: sequences with one new token are batched into one SDPA call over keys
-    gathered into a padded [S, L, Hkv, D] tensor with a validity mask;
+    gathered into a padded [S, L, Hkv, D] tensor with a validity mask, or, given loom's
+    kernels, one call that reads keys and values straight from their cache slots;
   * prefill: every other sequence gets its own SDPA call (plain causal when it has no
     earlier context, no window and no tree mask).
 """
@@ -87,12 +88,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    window: int | None = None) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens). Writes k/v to the cache, returns [T, H*D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+                    window: int | None = None, stored: bool = False, kern=None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens). Writes k/v to the cache unless `stored`
+    (already written), returns [T, H*D]. `kern`: loom's kernels, for the decode group."""
+    if not stored:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     T, H, D = q.shape
-    out = None if not meta.prefill_seqs else torch.empty_like(q)
-    if meta.decode_seqs:
+    out = None if not meta.prefill_seqs else torch.empty(T, H, D, dtype=q.dtype)
+    if meta.decode_seqs and kern is not None:
+        qd = q.flatten(1) if out is None else q[meta.decode_tokens].flatten(1)     # [Sd, H*D]
+        od = kern.attn_decode(qd, k_cache, v_cache, meta.decode_slots, meta.decode_ctx,
+                              H, k_cache.shape[1], scale, window or 0)
+        if out is None:
+            return od
+        out[meta.decode_tokens] = od.view(-1, H, D)
+    elif meta.decode_seqs:
         qd = (q if out is None else q[meta.decode_tokens]).unsqueeze(2)   # [Sd, H, 1, D]
         kd = k_cache[meta.decode_slots].transpose(1, 2)                    # [Sd, Hkv, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2)
@@ -107,6 +117,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                             k_cache, v_cache, meta.kv_slots[s], ctx,
                                             meta.tree_masks[s], scale, window)
     return out.reshape(T, H * D)
+
+
+def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, window: int | None, kern) -> torch.Tensor:
+    """Attention on loom's kernels, for a fused [T, (H + 2 Hkv) * D] projection whose q/k are
+    already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
+    if not meta.prefill_seqs:   # all decode: the kernel reads q straight from the qkv rows
+        return kern.attn_decode(qkv, k_cache, v_cache, meta.decode_slots, meta.decode_ctx,
+                                num_heads, k_cache.shape[1], scale, window or 0)
+    H, Hkv, D = num_heads, k_cache.shape[1], k_cache.shape[2]
+    heads = qkv.view(qkv.shape[0], -1, D)
+    return paged_attention(heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], k_cache, v_cache, meta,
+                           scale, window, stored=True, kern=kern)
 
 
 def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale, window):

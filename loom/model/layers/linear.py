@@ -6,10 +6,13 @@ row-stacked weights, split by the caller.
 
     exact     dense float32 (MKL): the reference mode, bit-identical to transformers
     bf16      dense bfloat16 (oneDNN): compute-bound shapes, on CPUs with native bf16
-    int4      torch's group-wise int4 kernel over the GGUF 4-bit blocks, repacked exactly
-    int8      per-output-channel int8 requantization, for types with no exact int4 form
-    auto      int4/int8 while M is small (memory-bound); above a threshold a dense GEMM,
-              bf16 where the CPU has bf16 dot products (AVX512-BF16/AMX), else float32
+    quant     loom's kernels (loom/kernels): the GGUF codes themselves (4-bit, or 8-bit
+              where the type needs it) times int8-quantized activations, VNNI dot products;
+              one kernel for every M, with RMSNorm / SwiGLU / GeGLU and the residual add fused
+    int4      torch's group-wise int4 kernel over exact 4-bit codes (bf16 activations)
+    int8      torch's per-channel int8 kernel (bf16 activations)
+    auto      quant where loom's kernels run on this CPU; otherwise int4/int8 while M is
+              small (memory-bound) and a dense GEMM above, bf16 only with native bf16
 
 Backends are registered by name in LINEAR_MODES; `make_linear(weight, mode)` builds one.
 """
@@ -21,13 +24,16 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from loom import kernels
 from loom.model.cpu import has_native_bf16
-from loom.model.quant import GROUP, Int4Groups
+from loom.model.quant import GROUP, QuantCodes, pack_codes
 from loom.model.weights import LinearWeight
 
-# Rows (tokens) above which the dense bf16 GEMM beats the weight-only kernels on this
-# class of CPU (AVX-512 BF16); measured with `loom bench` / benchmarks/linear_crossover.py.
+# Rows (tokens) above which a dense GEMM beats torch's weight-only kernels (fallback path).
 AUTO_MAX_SMALL_M = 16
+
+# Activation pre-ops fused into QuantLinear (values shared with loom_kernels.cpp).
+PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, PRE_GEGLU = 0, 1, 2, 3
 
 
 class LinearBackend(Protocol):
@@ -52,34 +58,55 @@ class DenseLinear:
 
 
 class Int4Linear:
-    """Group-wise (32) int4 weights: w = (q - 8) * scale + zero, float32 activations."""
+    """torch's group-wise (32) int4 kernel: w = (q - 8) * scale + zero. Its float32-activation
+    path is a slow reference loop, so activations go in as bfloat16."""
 
-    def __init__(self, groups: Int4Groups):
-        n, k = groups.q.shape
+    def __init__(self, codes: QuantCodes):
+        n, k = codes.q.shape
         self.out_features, self.in_features = n, k
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
-        self.scales_zeros = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1).contiguous()  # [K/32, N, 2]
+        scale, zero = codes.int4_scale_zero()
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32), 1)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros).float()
 
 
 class Int8Linear:
-    """Per-output-channel int8 weights (w ~ q * scale), float32 activations."""
+    """Per-output-channel int8 weights (w ~ q * scale), bfloat16 activations (torch's fast path)."""
 
     def __init__(self, weight: LinearWeight | torch.Tensor):
         w = weight.dense if isinstance(weight, LinearWeight) else weight
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.float()
+        self.scale = scale.to(torch.bfloat16)
         self.out_features, self.in_features = w.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.q, self.scale)
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).float()
+
+
+class QuantLinear:
+    """loom's VNNI kernel over the weight's codes. Besides y = x @ W^T it fuses a pre-op on x
+    (RMSNorm with `norm`, or SwiGLU / GeGLU of x = [gate | up]) and `out += y`."""
+
+    fused = True
+
+    def __init__(self, weight: LinearWeight):
+        self.kern = kernels.load()
+        if self.kern is None:
+            raise RuntimeError(f"loom kernels unavailable: {kernels.unavailable_reason()}")
+        self.p = pack_codes(weight.codes())
+        self.out_features, self.in_features = self.p.n, self.p.k
+
+    def __call__(self, x: torch.Tensor, pre: int = PRE_NONE, norm: torch.Tensor | None = None,
+                 eps: float = 0.0, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        p = self.p
+        return self.kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, pre, norm, eps, out, accumulate)
 
 
 class AdaptiveLinear:
-    """Weight-only quantized kernel for small M (bandwidth-bound), dense bf16 above."""
+    """Fallback of `auto`: torch's weight-only kernels for small M (bandwidth-bound), a dense GEMM above."""
 
     def __init__(self, weight: LinearWeight, max_small_m: int = AUTO_MAX_SMALL_M):
         self.small = Int4Linear(weight.int4) if weight.int4 is not None else Int8Linear(weight)
@@ -96,8 +123,17 @@ LINEAR_MODES: dict[str, Callable[[LinearWeight], LinearBackend]] = {
     "bf16": lambda w: DenseLinear(w, torch.bfloat16),
     "int4": lambda w: Int4Linear(w.int4) if w.int4 is not None else Int8Linear(w),
     "int8": Int8Linear,
-    "auto": AdaptiveLinear,
+    "quant": QuantLinear,
+    "auto": lambda w: QuantLinear(w) if kernels.available() and w.dense.shape[1] % GROUP == 0 else AdaptiveLinear(w),
 }
+
+
+def fused_kernels(backends: list[LinearBackend], head_dim: int, hidden: int):
+    """loom's kernel module when every projection runs on it and the shapes suit its fused
+    ops (a model then takes its fused forward), else None."""
+    if all(getattr(b, "fused", False) for b in backends) and head_dim % 16 == 0 and hidden % 16 == 0:
+        return kernels.load()
+    return None
 
 
 def make_linear(weight: LinearWeight | torch.Tensor, mode: str = "exact") -> LinearBackend:

@@ -1,0 +1,391 @@
+// loom's CPU kernels (AVX-512 + VNNI): quantized GEMM over GGUF-derived codes, RoPE with
+// KV-cache store, and decode attention over the paged cache. Compiled at install time with
+// -march=native; loom falls back to plain torch ops where this cannot be built.
+//
+// Quantized GEMM, y[M, N] = x[M, K] @ W[N, K]^T
+//   W: per output row n and 32-wide group g, unsigned codes q (4 or 8 bits) with an affine
+//      map w = a[n,g] * q + b[n,g]. Exact for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 blocks.
+//   x: each row, after an optional fused pre-op (RMSNorm, SwiGLU, GeGLU), is quantized per
+//      32-group to int8: x ~ d[m,g] * xq, with the exact float group sum s[m,g] kept.
+//   y[m,n] = sum_g a[n,g] * d[m,g] * <q[n,g,:], xq[m,g,:]> + b[n,g] * s[m,g]
+//   The integer dot products use VPDPBUSD (u8 x s8 -> s32): one instruction covers 16 output
+//   rows x 4 inputs. Every row of x is computed the same way whatever M is, so results do
+//   not depend on batch composition.
+//
+// Packed layout: one stream of blocks, each 16 output rows x one 32-wide group:
+//   [codes][a: 16 scales][b: 16 offsets], blocks ordered [N/16][G]   (N padded to a multiple of 16)
+//   8-bit codes: [8 chunks][16 rows][4 bytes]       chunk c holds k = 4c .. 4c+3          (512 B)
+//   4-bit codes: [4 chunks][16 rows][4 bytes]       byte j: low nibble k = 8c+j, high k = 8c+4+j  (256 B)
+//   a, b: float16 where that is exact (every type with fp16 block scales), else float32
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int GROUP = 32;
+constexpr int ROWS = 16;
+constexpr int MT_MAX = 8;  // activation rows per register tile
+
+enum PreOp : int64_t { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2, PRE_GEGLU = 3 };
+
+// ---- vector math --------------------------------------------------------------------------
+
+// exp(x) for 16 floats: 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6 polynomial (rel. err ~2e-7).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);  // in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 silu512(__m512 g) {
+  __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// gelu with the tanh approximation: 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3)
+inline __m512 gelu_tanh512(__m512 g) {
+  __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), u));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// ---- activation pre-op + quantization -----------------------------------------------------
+
+// One row: src (K floats, or 2K for the gated pre-ops) -> xq[K] int8, d[G], s[G].
+void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w, float eps,
+                  float* tmp, int8_t* xq, float* d, float* s) {
+  const float* x = src;
+  if (pre == PRE_RMSNORM) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512 v = _mm512_loadu_ps(src + k);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float r = 1.0f / std::sqrt(hsum(acc) / (float)K + eps);
+    __m512 rv = _mm512_set1_ps(r);
+    for (int64_t k = 0; k < K; k += 16)
+      _mm512_storeu_ps(tmp + k, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(src + k), rv), _mm512_loadu_ps(norm_w + k)));
+    x = tmp;
+  } else if (pre == PRE_SWIGLU || pre == PRE_GEGLU) {
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512 g = _mm512_loadu_ps(src + k), u = _mm512_loadu_ps(src + K + k);
+      __m512 act = pre == PRE_SWIGLU ? silu512(g) : gelu_tanh512(g);
+      _mm512_storeu_ps(tmp + k, _mm512_mul_ps(act, u));
+    }
+    x = tmp;
+  }
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t g = 0; g < K / GROUP; ++g) {
+    __m512 v0 = _mm512_loadu_ps(x + g * GROUP), v1 = _mm512_loadu_ps(x + g * GROUP + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    float dg = amax / 127.0f;
+    __m512 inv = _mm512_set1_ps(dg > 0.0f ? 1.0f / dg : 0.0f);
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm_storeu_si128((__m128i*)(xq + g * GROUP), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(xq + g * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
+    d[g] = dg;
+    s[g] = hsum(_mm512_add_ps(v0, v1));
+  }
+}
+
+struct QuantActs {
+  std::vector<int8_t> xq;
+  std::vector<float> d, s;
+};
+
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pre, const float* norm_w,
+                   float eps, QuantActs& qa) {
+  const int64_t G = K / GROUP;
+  qa.xq.resize(M * K);
+  qa.d.resize(M * G);
+  qa.s.resize(M * G);
+  at::parallel_for(0, M, M < 16 ? M : 4, [&](int64_t m0, int64_t m1) {
+    std::vector<float> tmp(K);
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + m * K,
+                   qa.d.data() + m * G, qa.s.data() + m * G);
+  });
+}
+
+// ---- GEMM micro-kernel: 16 output rows x MT activation rows, all groups -------------------
+
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+template <int BITS, typename S>
+constexpr int64_t block_bytes() { return (BITS == 4 ? 256 : 512) + 2 * ROWS * sizeof(S); }
+
+template <int BITS, int MT, typename S>
+inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa,
+                 int64_t K, int64_t m0, float* y, int64_t ldy, int64_t n0, int64_t N, bool accumulate) {
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>();
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * BLOCK;
+    for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + 4 * BLOCK + off), _MM_HINT_T0);
+    __m512i code[8];
+    if constexpr (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        __m512i v = _mm512_loadu_si512(wp + c * 64);
+        code[2 * c] = _mm512_and_si512(v, low);
+        code[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) code[c] = _mm512_loadu_si512(wp + c * 64);
+    }
+    const S* sc = (const S*)(wp + CODE_BYTES);
+    const __m512 av = load_scales(sc), bv = load_scales(sc + ROWS);
+    for (int i = 0; i < MT; ++i) {
+      const int64_t m = m0 + i;
+      const int32_t* xp = (const int32_t*)(qa.xq.data() + m * K + g * GROUP);
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), code[0], _mm512_set1_epi32(xp[0]));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), code[1], _mm512_set1_epi32(xp[1]));
+      s0 = _mm512_dpbusd_epi32(s0, code[2], _mm512_set1_epi32(xp[2]));
+      s1 = _mm512_dpbusd_epi32(s1, code[3], _mm512_set1_epi32(xp[3]));
+      s0 = _mm512_dpbusd_epi32(s0, code[4], _mm512_set1_epi32(xp[4]));
+      s1 = _mm512_dpbusd_epi32(s1, code[5], _mm512_set1_epi32(xp[5]));
+      s0 = _mm512_dpbusd_epi32(s0, code[6], _mm512_set1_epi32(xp[6]));
+      s1 = _mm512_dpbusd_epi32(s1, code[7], _mm512_set1_epi32(xp[7]));
+      __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const int64_t gi = m * G + g;
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(av, _mm512_set1_ps(qa.d[gi])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(bv, _mm512_set1_ps(qa.s[gi]), acc[i]);
+    }
+  }
+  const __mmask16 mask = N - n0 >= ROWS ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+  for (int i = 0; i < MT; ++i) {
+    float* yp = y + (m0 + i) * ldy + n0;
+    __m512 r = acc[i];
+    if (accumulate) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, yp));
+    _mm512_mask_storeu_ps(yp, mask, r);
+  }
+}
+
+template <int BITS, typename S>
+void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
+          bool accumulate) {
+  const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS;
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      const uint8_t* wb = w + nb * G * block_bytes<BITS, S>();
+      for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
+        switch (std::min<int64_t>(MT_MAX, M - m0)) {
+#define LOOM_TILE(mt) case mt: tile<BITS, mt, S>(wb, G, qa, K, m0, y, ldy, nb * ROWS, N, accumulate); break;
+          LOOM_TILE(1) LOOM_TILE(2) LOOM_TILE(3) LOOM_TILE(4) LOOM_TILE(5) LOOM_TILE(6) LOOM_TILE(7) LOOM_TILE(8)
+#undef LOOM_TILE
+        }
+      }
+    }
+  });
+}
+
+void check_f32_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
+              name, " must be a float32 [rows, cols] tensor with contiguous rows");
+}
+
+}  // namespace
+
+// y = pre(x) @ W^T (+ y if accumulate). x: [M, K] (or [M, 2K] for the gated pre-ops).
+// w: the packed blocks (uint8); scales16: whether a and b are float16.
+torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
+                    c10::optional<torch::Tensor> out, bool accumulate) {
+  check_f32_rows(x, "x");
+  TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
+  TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights must be contiguous uint8");
+  const int64_t M = x.size(0);
+  torch::Tensor y = out.has_value() ? *out : torch::empty({M, N}, x.options());
+  check_f32_rows(y, "out");
+  TORCH_CHECK(y.size(0) == M && y.size(1) == N, "out has the wrong shape");
+  if (M == 0) return y;
+  const float* nw = nullptr;
+  if (pre == PRE_RMSNORM) {
+    TORCH_CHECK(norm_w.has_value() && norm_w->numel() == K && norm_w->is_contiguous(), "norm weight [K] needed");
+    nw = norm_w->data_ptr<float>();
+  }
+  QuantActs qa;
+  quantize_acts(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa);
+  const int64_t blocks = (N + ROWS - 1) / ROWS * (K / GROUP);
+  const int64_t bb = scales16 ? (bits == 4 ? block_bytes<4, at::Half>() : block_bytes<8, at::Half>())
+                              : (bits == 4 ? block_bytes<4, float>() : block_bytes<8, float>());
+  TORCH_CHECK(w.numel() == blocks * bb, "packed weights do not match N, K, bits");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = y.stride(0);
+  if (scales16) {
+    if (bits == 4) gemm<4, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
+    else gemm<8, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
+  } else {
+    if (bits == 4) gemm<4, float>(wp, N, K, M, qa, yp, ldy, accumulate);
+    else gemm<8, float>(wp, N, K, M, qa, yp, ldy, accumulate);
+  }
+  return y;
+}
+
+// In place on qkv [T, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k heads, rotate-half
+// RoPE of q and k at `positions` (tables [P, D]); then k and v are stored at the cache slots.
+void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t H, int64_t Hkv,
+                c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps) {
+  check_f32_rows(qkv, "qkv");
+  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv has the wrong width");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == torch::kFloat32,
+              "caches must be contiguous float32");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float *ct = cos.data_ptr<float>(), *st = sin.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  float* base = qkv.data_ptr<float>();
+  const int64_t ld = qkv.stride(0);
+  at::parallel_for(0, T, T < 8 ? T : 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = base + t * ld;
+      const float* c = ct + pos[t] * D;
+      const float* s = st + pos[t] * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        float* x = row + h * D;
+        const float* nw = h < H ? qn : kn;
+        if (nw) {
+          float ss = 0.0f;
+          for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+          float r = 1.0f / std::sqrt(ss / (float)D + (float)eps);
+          for (int64_t i = 0; i < D; ++i) x[i] = x[i] * r * nw[i];
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+      std::memcpy(kc + sl[t] * Hkv * D, row + H * D, sizeof(float) * Hkv * D);
+      std::memcpy(vc + sl[t] * Hkv * D, row + (H + Hkv) * D, sizeof(float) * Hkv * D);
+    }
+  });
+}
+
+// Decode attention: sequence i has one query (q[i], H heads) and keys at positions
+// 0 .. ctx[i]-1 stored at cache slots slots[i, :]; with window W only the last W keys.
+torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                          torch::Tensor ctx, int64_t H, int64_t Hkv, double scale, int64_t window) {
+  check_f32_rows(q, "q");
+  const int64_t S = q.size(0), D = k_cache.size(2), G = H / Hkv;
+  TORCH_CHECK(q.size(1) >= H * D && D % 16 == 0, "q must hold H * D values per row, D a multiple of 16");
+  torch::Tensor out = torch::empty({S, H * D}, q.options());
+  const float *qb = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t *sl = slots.data_ptr<int64_t>(), *cl = ctx.data_ptr<int64_t>();
+  const int64_t lds = slots.stride(0), ldq = q.stride(0);
+  float* ob = out.data_ptr<float>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < S; ++i) longest = std::max(longest, cl[i]);
+  const int64_t work_per_item = G * D * std::max<int64_t>(1, window > 0 ? std::min(longest, window) : longest);
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / work_per_item);  // small batches stay on one thread
+  at::parallel_for(0, S * Hkv, grain, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> p;
+    for (int64_t work = w0; work < w1; ++work) {
+      const int64_t i = work / Hkv, kh = work % Hkv, L = cl[i];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - first;
+      p.resize(G * n);
+      const float* qh = qb + i * ldq + kh * G * D;
+      for (int64_t l = 0; l < n; ++l) {
+        const float* kp = kc + (sl[i * lds + first + l] * Hkv + kh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < D; j += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + j), _mm512_loadu_ps(kp + j), acc);
+          p[g * n + l] = hsum(acc) * (float)scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* pg = p.data() + g * n;
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < n; ++l) mx = std::max(mx, pg[l]);
+        __m512 mv = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
+        int64_t l = 0;
+        for (; l + 16 <= n; l += 16) {
+          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(pg + l), mv));
+          _mm512_storeu_ps(pg + l, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (l < n) {
+          __mmask16 mk = (__mmask16)((1u << (n - l)) - 1);
+          __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pg + l), mv));
+          e = _mm512_maskz_mov_ps(mk, e);
+          _mm512_mask_storeu_ps(pg + l, mk, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const float inv = 1.0f / hsum(sum);
+        for (int64_t j = 0; j < n; ++j) pg[j] *= inv;
+      }
+      float* oh = ob + i * H * D + kh * G * D;
+      std::fill(oh, oh + G * D, 0.0f);
+      for (int64_t l = 0; l < n; ++l) {
+        const float* vp = vc + (sl[i * lds + first + l] * Hkv + kh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 pw = _mm512_set1_ps(p[g * n + l]);
+          float* og = oh + g * D;
+          for (int64_t j = 0; j < D; j += 16)
+            _mm512_storeu_ps(og + j, _mm512_fmadd_ps(pw, _mm512_loadu_ps(vp + j), _mm512_loadu_ps(og + j)));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// h += rmsnorm(y) * w, row by row (Gemma's post-norms before the residual add).
+void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
+  check_f32_rows(h, "h");
+  check_f32_rows(y, "y");
+  const int64_t M = h.size(0), K = h.size(1);
+  TORCH_CHECK(K % 16 == 0 && y.size(1) == K && w.numel() == K, "shapes differ");
+  float *hb = h.data_ptr<float>();
+  const float *yb = y.data_ptr<float>(), *wb = w.data_ptr<float>();
+  at::parallel_for(0, M, M < 16 ? M : 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* yr = yb + m * y.stride(0);
+      float* hr = hb + m * h.stride(0);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) {
+        __m512 v = _mm512_loadu_ps(yr + k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      __m512 r = _mm512_set1_ps(1.0f / std::sqrt(hsum(acc) / (float)K + (float)eps));
+      for (int64_t k = 0; k < K; k += 16)
+        _mm512_storeu_ps(hr + k, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(yr + k), r),
+                                                 _mm512_loadu_ps(wb + k), _mm512_loadu_ps(hr + k)));
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qgemm", &qgemm, "quantized GEMM with fused activation pre-op");
+  m.def("rope_store", &rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache");
+  m.def("attn_decode", &attn_decode, "decode attention over the paged KV cache");
+  m.def("add_rmsnorm", &add_rmsnorm, "h += rmsnorm(y) * w");
+}
