@@ -767,11 +767,11 @@ SMOL = "smollm2-135m"
 
 
 class Workload:
-    """64 greedy requests on Spec-Bench text: prompt lengths from 1 to ~2,000 tokens (most short,
-    a few long), max_tokens from 1 to 48, split into three arrival waves. The outputs each request
+    """64 greedy requests on Spec-Bench text: prompt lengths from 1 to ~2,000 tokens (most under
+    90, two long), max_tokens from 1 to 48, split into three arrival waves. The outputs each request
     produces alone are computed once per session (one engine, one request at a time)."""
 
-    LONG = (250, 600, 1100, 1900)
+    LONG = (400, 1900)
 
     def __init__(self, real_models):
         from conftest import spec_bench_questions
@@ -780,13 +780,16 @@ class Workload:
         _, tok = real_models.loom(SMOL)
         rng = random.Random(2024)
         questions = spec_bench_questions()
-        short = [ids for ids in tok.encode_batch([q["turns"][0] for q in questions]) if 8 <= len(ids) <= 120]
+        short = [ids for ids in tok.encode_batch([q["turns"][0] for q in questions]) if 8 <= len(ids) <= 90]
         rng.shuffle(short)
         long_text = tok.encode("\n\n".join(t for q in questions if q["category"] == "summarization"
                                            for t in q["turns"][:1]))
         prompts = [short[0][:1], short[1][:2], short[2][:5]] + short[3:3 + 64 - 3 - len(self.LONG)]
         prompts += [long_text[i * 97:i * 97 + n] for i, n in enumerate(self.LONG)]
-        max_tokens = [rng.choice([1, 2, 3, 5, 8, 13, 16, 24, 33, 48]) for _ in prompts]
+        # mostly short completions, a few long ones: the alone runs decode one token per step
+        max_tokens = [rng.choice([1, 2, 3, 4, 6, 8, 12]) for _ in prompts]
+        for i, n in zip(rng.sample(range(3, len(prompts) - len(self.LONG)), 3), (24, 36, 48)):
+            max_tokens[i] = n
         for i in range(len(prompts) - len(self.LONG), len(prompts)):
             max_tokens[i] = rng.randint(1, 4)  # long contexts in decode are the costly part
         order = list(range(len(prompts)))
@@ -817,7 +820,7 @@ def workload(real_models) -> Workload:
 def test_workload_shape(workload):
     lengths = sorted(len(p) for p in workload.prompts)
     assert len(lengths) == 64 and lengths[0] == 1 and lengths[-1] == 1900
-    assert sum(n <= 120 for n in lengths) == 60
+    assert sum(n <= 90 for n in lengths) == 64 - len(Workload.LONG)
     assert min(workload.max_tokens) == 1 and max(workload.max_tokens) == 48
 
 
@@ -845,7 +848,7 @@ def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, 
 
 @pytest.mark.real_model
 def test_preemption_recomputes_to_the_same_outputs(real_models, workload):
-    picks = [i for i in range(64) if 20 <= len(workload.prompts[i]) <= 120 and workload.max_tokens[i] >= 16][:8]
+    picks = [i for i in range(64) if 20 <= len(workload.prompts[i]) <= 90 and workload.max_tokens[i] >= 12][:8]
     assert len(picks) == 8
     bs = 16
     need = sorted(-(-(len(workload.prompts[i]) + workload.max_tokens[i]) // bs) for i in picks)
