@@ -19,6 +19,8 @@ DTYPES = {
     "bfloat16": "bf16",   # dense bfloat16 weights (oneDNN)
 }
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+
 
 def _bad(name: str, value, allowed: str) -> InvalidRequestError:
     return InvalidRequestError(f"{name} must be {allowed}, got {value!r}")
@@ -57,6 +59,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = a share of free RAM
     num_blocks: int | None = None       # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"        # "auto": float16 with loom's kernels, float32 in the exact mode
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -65,6 +68,8 @@ class CacheConfig:
             raise _bad("kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise _bad("num_blocks", self.num_blocks, "a positive integer")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)

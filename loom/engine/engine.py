@@ -50,22 +50,32 @@ class Engine:
         self.model_name = config.load.model
         self.load_seconds = time.perf_counter() - t0
         cfg = self.model.cfg
+        self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_blocks()
         bs = config.cache.block_size
         self.max_model_len = min(config.scheduler.max_model_len or cfg.context_length, cfg.context_length,
                                  num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, seed=config.seed)
+        self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
+                                  seed=config.seed)
         self.outputs: dict[str, OutputState] = {}
         self.fanout = FanOut(self)  # n > 1 / best_of requests: children sharing KV (loom/parallel)
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
 
+    def _kv_dtype(self) -> torch.dtype:
+        """float16 where loom's kernels read the cache (half the memory traffic of attention);
+        float32 in the exact mode, which must match the reference bit for bit."""
+        choice = self.config.cache.kv_cache_dtype
+        if choice == "auto":
+            return torch.float16 if getattr(self.model, "kern", None) is not None else torch.float32
+        return {"float32": torch.float32, "float16": torch.float16}[choice]
+
     def _num_blocks(self) -> int:
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
-        per_token = ModelRunner.kv_bytes_per_token(self.model.cfg)
+        per_token = ModelRunner.kv_bytes_per_token(self.model.cfg, self.kv_dtype)
         budget = cache.kv_cache_memory or min(int(psutil.virtual_memory().available * DEFAULT_KV_SHARE),
                                               DEFAULT_KV_CAP)
         return max(1, budget // (per_token * cache.block_size))

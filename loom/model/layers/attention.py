@@ -82,8 +82,8 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     # caches: [num_slots, Hkv, D]; k, v: [T, Hkv, D]
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -104,8 +104,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[meta.decode_tokens] = od.view(-1, H, D)
     elif meta.decode_seqs:
         qd = (q if out is None else q[meta.decode_tokens]).unsqueeze(2)   # [Sd, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)                    # [Sd, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)        # [Sd, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(window),
                                             scale=scale, enable_gqa=True)  # [Sd, H, 1, D]
         if out is None:
@@ -138,13 +138,14 @@ def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale
     first = 0 if not window else max(0, ctx - n - window + 1)  # oldest key any query can see
     qh = q.transpose(0, 1).unsqueeze(0)                           # [1, H, n, D]
     if ctx == n and (not window or ctx <= window) and tree_mask is None:
-        kh = k_new.transpose(0, 1).unsqueeze(0)                   # [1, Hkv, n, D]
-        vh = v_new.transpose(0, 1).unsqueeze(0)
+        # keys as the cache holds them, so chunking never changes a result
+        kh = k_new.to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+        vh = v_new.to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     key_slots = slots[first:ctx]
-    kh = k_cache[key_slots].transpose(0, 1).unsqueeze(0)              # [1, Hkv, ctx-first, D]
-    vh = v_cache[key_slots].transpose(0, 1).unsqueeze(0)
+    kh = k_cache[key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
+    vh = v_cache[key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
     q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)                   # [n, 1]
     k_pos = torch.arange(first, ctx).unsqueeze(0)                     # [1, L]
     mask = k_pos <= q_pos
