@@ -143,7 +143,8 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pr
   qa.d.resize(M * G);
   qa.s.resize(M * G);
   at::parallel_for(0, M, M < 16 ? M : 4, [&](int64_t m0, int64_t m1) {
-    std::vector<float> tmp(K);
+    thread_local std::vector<float> tmp;
+    tmp.resize(2 * K);
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + m * K,
                    qa.d.data() + m * G, qa.s.data() + m * G);
@@ -255,7 +256,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
     TORCH_CHECK(norm_w.has_value() && norm_w->numel() == K && norm_w->is_contiguous(), "norm weight [K] needed");
     nw = norm_w->data_ptr<float>();
   }
-  QuantActs qa;
+  thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
   quantize_acts(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa);
   const int64_t blocks = (N + ROWS - 1) / ROWS * (K / GROUP);
   const int64_t bb = scales16 ? (bits == 4 ? block_bytes<4, at::Half>() : block_bytes<8, at::Half>())
