@@ -56,10 +56,22 @@ class Engine:
                                  num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, seed=config.seed)
+        if config.speculative is not None:
+            self._attach_speculation(num_blocks)
         self.outputs: dict[str, OutputState] = {}
         self.fanout = FanOut(self)  # n > 1 / best_of requests: children sharing KV (loom/parallel)
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
+
+    def _attach_speculation(self, num_blocks: int) -> None:
+        from loom.spec.decoder import SpecDecoder
+        from loom.spec.drafters import DraftEnv
+
+        spec = self.config.speculative
+        env = DraftEnv(self.model, self.config.load.linear_mode, num_blocks, self.config.cache.block_size)
+        self.runner.spec = SpecDecoder(spec, env)
+        if spec.adaptive:
+            self.runner.spec.calibrate(self.runner, self.config.scheduler.max_num_seqs)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
