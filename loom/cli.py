@@ -6,6 +6,8 @@ process exits with status 1; only bugs produce a traceback.
 
 from __future__ import annotations
 
+import json
+
 import sys
 from pathlib import Path
 from typing import Any
@@ -178,6 +180,9 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV of shared prompt prefixes."),
     seed: int = typer.Option(0, help="Seed of unseeded sampling."),
+    speculative_config: str | None = typer.Option(
+        None, "--speculative-config", help='Speculative decoding as JSON, e.g. \'{"method": "auto"}\' '
+                                           '(methods: prompt_lookup, token_recycling, lookahead, draft_model, auto).'),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
@@ -196,10 +201,20 @@ def serve(
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                  num_blocks=num_blocks, block_size=block_size,
-                                 enable_prefix_caching=prefix_caching, seed=seed)
+                                 enable_prefix_caching=prefix_caching, seed=seed,
+                                 speculative_config=_json_option(speculative_config, "--speculative-config"))
     run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
                access_log=access_log)
+
+
+def _json_option(text: str | None, flag: str):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise typer.BadParameter(f"expected a JSON object, got {text!r} ({e})", param_hint=flag) from None
 
 
 @app.command()
