@@ -6,6 +6,9 @@ process exits with status 1; only bugs produce a traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,7 +108,10 @@ def bench(
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG charts into this directory."),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
     prompts: Path | None = typer.Option(None, "--prompts", help="Spec-Bench question.jsonl to draw prompts from."),
-    spec: bool = typer.Option(False, "--spec", help="Speculative decoding suite (not yet available)."),
+    spec: bool = typer.Option(False, "--spec", help="Speculative decoding per Spec-Bench category instead of the "
+                              "peer suites: speedups single-stream and at 8 concurrent, vs llama.cpp's prompt lookup."),
+    markdown: Path | None = typer.Option(None, "--markdown",
+                                         help="With --spec: write the docs/benchmarks.md section here."),
     parallel: bool = typer.Option(False, "--parallel",
                                   help="Also run the parallel sampling suites: cost of n = 1,4,8,16 completions "
                                        "with and without prompt sharing, and GSM8K accuracy (see --limit)."),
@@ -144,7 +150,8 @@ def bench(
     from loom.config import physical_cores
 
     if spec:
-        raise BenchError("--spec is not yet available in loom bench")
+        _spec_bench(model, threads or physical_cores(), prompts or SPEC_BENCH_PATH, quick, dtype, json_path, markdown)
+        return
     settings = BenchSettings.preset(quick).replace(
         concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
         prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
@@ -167,6 +174,22 @@ def bench(
 
         for path in write_plots(report, plot):
             out.print(f"plot written to {escape(str(path))}")
+
+
+def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
+                markdown: Path | None) -> None:
+    from loom.bench.spec_bench import SpecBenchSettings, run_spec_bench, spec_lines
+
+    settings = SpecBenchSettings.preset(quick)
+    if dtype:
+        settings = dataclasses.replace(settings, dtype=dtype)
+    report = run_spec_bench(model, threads, prompts, settings, log=lambda m: err.print(escape(m)))
+    text = "\n".join(spec_lines(report))
+    out.print(escape(text))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+    if markdown is not None:
+        markdown.write_text(text + "\n")
 
 
 @app.command()
@@ -193,6 +216,9 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV of shared prompt prefixes."),
     seed: int = typer.Option(0, help="Seed of unseeded sampling."),
+    speculative_config: str | None = typer.Option(
+        None, "--speculative-config", help='Speculative decoding as JSON, e.g. \'{"method": "auto"}\' '
+                                           '(methods: prompt_lookup, token_recycling, lookahead, draft_model, auto).'),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
@@ -211,10 +237,20 @@ def serve(
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                  num_blocks=num_blocks, block_size=block_size,
-                                 enable_prefix_caching=prefix_caching, seed=seed)
+                                 enable_prefix_caching=prefix_caching, seed=seed,
+                                 speculative_config=_json_option(speculative_config, "--speculative-config"))
     run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
                access_log=access_log)
+
+
+def _json_option(text: str | None, flag: str):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise typer.BadParameter(f"expected a JSON object, got {text!r} ({e})", param_hint=flag) from None
 
 
 @app.command()

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from loom.errors import InvalidRequestError
+from loom.spec.config import SpeculativeConfig
 
 # dtype choice -> linear backend mode (loom.model.layers.linear). Activations, the residual
 # stream and the KV cache stay float32 in every mode.
@@ -94,6 +95,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # seeds the shared generator used by unseeded sampling
+    speculative: SpeculativeConfig | None = None  # speculative decoding (loom/spec); None: off
 
     @classmethod
     def create(cls, model: str = "smollm2-135m", **kwargs) -> "EngineConfig":
@@ -103,11 +105,12 @@ class EngineConfig:
                                                  ("scheduler", SchedulerConfig))
                   for name in klass.__dataclass_fields__}
         seed = kwargs.pop("seed", 0)
+        speculative = SpeculativeConfig.create(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             if key not in owners:
                 raise InvalidRequestError(f"unknown engine option '{key}' "
-                                          f"(known: {', '.join(sorted(owners))}, seed)")
+                                          f"(known: {', '.join(sorted(owners))}, seed, speculative_config)")
             if value is not None:
                 parts[owners[key]][key] = value
         return cls(LoadConfig(**parts["load"]), CacheConfig(**parts["cache"]),
-                   SchedulerConfig(**parts["scheduler"]), seed)
+                   SchedulerConfig(**parts["scheduler"]), seed, speculative)

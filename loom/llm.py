@@ -20,7 +20,7 @@ class LLM:
 
     Keyword options are those of the engine config: dtype, threads, block_size,
     kv_cache_memory, num_blocks, enable_prefix_caching, max_num_batched_tokens,
-    max_num_seqs, max_model_len, seed.
+    max_num_seqs, max_model_len, seed, speculative_config (a dict: see loom.spec.config).
     """
 
     def __init__(self, model: str = "smollm2-135m", **options):

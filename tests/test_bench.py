@@ -92,11 +92,6 @@ def test_parallel_suites_quick(tiny_llama_path: Path, prompts_file: Path, tmp_pa
     assert all(m["tokens_per_problem"] > 0 for m in quality["methods"].values())
 
 
-def test_future_flags_are_refused_clearly() -> None:
-    result = CliRunner().invoke(app, ["bench", "--spec"])
-    assert result.exit_code == 1
-    assert "not yet available" in result.output
-
 
 def test_parse_peers() -> None:
     specs = parse_peers("loom, loom:float32,llama.cpp,loom")

@@ -58,6 +58,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
                                   seed=config.seed)
+        if config.speculative is not None:
+            self._attach_speculation(num_blocks)
         self.outputs: dict[str, OutputState] = {}
         self.fanout = FanOut(self)  # n > 1 / best_of requests: children sharing KV (loom/parallel)
         self._ids = itertools.count()
@@ -70,6 +72,16 @@ class Engine:
         if choice == "auto":
             return torch.float16 if getattr(self.model, "kern", None) is not None else torch.float32
         return {"float32": torch.float32, "float16": torch.float16}[choice]
+
+    def _attach_speculation(self, num_blocks: int) -> None:
+        from loom.spec.decoder import SpecDecoder
+        from loom.spec.drafters import DraftEnv
+
+        spec = self.config.speculative
+        env = DraftEnv(self.model, self.config.load.linear_mode, num_blocks, self.config.cache.block_size)
+        self.runner.spec = SpecDecoder(spec, env)
+        if spec.adaptive:
+            self.runner.spec.calibrate(self.runner, self.config.scheduler.max_num_seqs)
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

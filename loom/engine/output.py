@@ -32,12 +32,13 @@ class OutputState:
         Sets `stopped_by_string` when a stop string ended it (the caller finishes the request)."""
         req = self.req
         new_ids = req.output_token_ids[self.num_tokens_seen:]
+        if self.stops and not self.stopped_by_string:
+            self._add_until_stop(new_ids)
+        else:
+            self.pending += self.detok.add(new_ids)
         self.num_tokens_seen = len(req.output_token_ids)
-        self.pending += self.detok.add(new_ids)
         if req.status.finished:
             self.pending += self.detok.flush()
-        if self.stops and not self.stopped_by_string:
-            self._check_stops()
         hold = 0 if (req.status.finished or self.stopped_by_string) else self._partial_stop_len()
         delta = self.pending[:len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold:]
@@ -45,6 +46,19 @@ class OutputState:
         delta_ids = req.output_token_ids[self.num_tokens_emitted:]
         self.num_tokens_emitted = len(req.output_token_ids)
         return self._output(delta, delta_ids)
+
+    def _add_until_stop(self, new_ids: list[int]) -> None:
+        """Adds tokens one at a time; a stop string drops the tokens after the one that
+        completed it (a speculative step may have appended several at once)."""
+        for i, tok in enumerate(new_ids):
+            self.pending += self.detok.add([tok])
+            self._check_stops()
+            if self.stopped_by_string:
+                extra = len(new_ids) - i - 1
+                if extra:
+                    del self.req.output_token_ids[-extra:]
+                    del self.req.all_token_ids[-extra:]
+                return
 
     def _check_stops(self) -> None:
         # Emitted text never holds the start of a stop string (it is held back), so a

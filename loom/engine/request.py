@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from loom.outputs import RequestMetrics, SampleLogprobs
 from loom.sampling_params import SamplingParams
+from loom.spec.tree import DraftTree
 
 _arrival = itertools.count()
 
@@ -62,6 +63,7 @@ class Request:
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     compute_limit: int | None = None
+    draft: DraftTree | None = None       # speculative tokens proposed for the next step (not committed)
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,17 @@ Prefill chunks, decodes and prefix hits are one code path: a request is granted
 `min(num_tokens - num_computed_tokens, budget)` tokens; a token is sampled when the grant
 reaches the end of its known tokens. `update` applies the runner's sampled tokens and
 finishes requests on EOS / stop token / length.
+
+Speculative decoding: the runner may return a draft tree per request (`RunnerOutput.drafts`);
+the request keeps it, and its next decode grant is 1 + the tree's nodes, cut to the token
+budget and to what max_tokens / the context still allow. The tree's tokens follow the last
+committed token in `ScheduledSeq.token_ids` and are never part of `all_token_ids`, so the
+prefix cache never hashes them. `update` appends the accepted tokens plus one, counts only
+them as computed and trims the KV blocks past that (rejected drafts):
+
+    step:      | computed ... | t | d0 d1 d2 d3 |     granted 1 + 4
+    accepted:  d0 d1, then bonus b
+    after:     | computed ...  t  d0 d1 | b         num_computed = start + 3; blocks trimmed there
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.request import Request, RequestStatus
 from loom.kv.manager import KVCacheManager
 from loom.sampling_params import SamplingParams
+from loom.spec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class ScheduledSeq:
     start_pos: int           # = num_computed_tokens before the step
     block_table: list[int]
     sample: bool             # sample a token from the logits of the last one
+    draft_parents: tuple[int, ...] = ()  # a draft tree's parents; its tokens end token_ids
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,7 @@ class TokenLogprobs:
 class RunnerOutput:
     sampled: dict[str, list[int]]                        # req_id -> new tokens
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    drafts: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> draft for its next step
 
 
 @dataclass
@@ -161,9 +175,13 @@ class Scheduler:
             n = min(req.compute_end - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            alloc = self._allocate_or_preempt(req, n, grants, preempted)
+            alloc = self._allocate_draft(req, budget) if n == 1 and req.draft is not None else None
+            if alloc is None:
+                req.draft = None
+                alloc = self._allocate_or_preempt(req, n, grants, preempted)
             if alloc is None:
                 continue
+            n += len(req.draft) if req.draft is not None else 0
             copies += alloc.copies
             grants[req.request_id] = n
             budget -= n
@@ -183,8 +201,19 @@ class Scheduler:
             if victim is req:
                 return None
 
+    def _allocate_draft(self, req: Request, budget: int):
+        """Cuts the request's draft to what fits and allocates its slots; None (draft dropped
+        by the caller) when nothing fits or the pool is short: drafts never preempt."""
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        if room <= 0 or req.compute_limit is not None:
+            return None
+        req.draft = req.draft.cut(room)
+        return self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, 1 + len(req.draft))
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft = None
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -227,8 +256,13 @@ class Scheduler:
             if req.request_id not in self._seen_by_runner:
                 self._seen_by_runner.add(req.request_id)
                 new.append(NewRequestData(req.request_id, list(req.prompt_token_ids), req.params))
-            seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
-                                     self.kv.block_table(req.request_id), start + n == req.num_tokens))
+            draft = req.draft if req.draft is not None and start + 1 == req.num_tokens else None
+            if draft is None:
+                seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
+                                         self.kv.block_table(req.request_id), start + n == req.num_tokens))
+            else:
+                seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:] + list(draft.tokens), start,
+                                         self.kv.block_table(req.request_id), True, draft.parents))
             self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
         finished, self._finished_since_last = self._finished_since_last, []
         return SchedulerOutput(seqs, new, finished, copies, preempted)
@@ -242,7 +276,11 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            req.draft = result.drafts.get(seq.req_id)
             tokens = result.sampled.get(seq.req_id)
+            if seq.draft_parents:  # the accepted drafts are computed, the rest rolled back
+                req.num_computed_tokens -= len(seq.draft_parents) - (len(tokens) - 1)
+                self.kv.trim(req.request_id, req.num_computed_tokens)
             if not tokens:
                 continue
             lps = result.logprobs.get(seq.req_id)

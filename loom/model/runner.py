@@ -14,6 +14,7 @@ whose grant reaches its end).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from loom.engine.scheduler import RunnerOutput, SchedulerOutput, TokenLogprobs
 from loom.model.layers.attention import AttentionMetadata
 from loom.sample.sampler import Sampler, SamplingBatch, request_generator
 from loom.sampling_params import SamplingParams
+from loom.spec.tree import DraftTree, tree_attention_mask
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ModelRunner:
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(seed)
         self.states: dict[str, _ReqState] = {}
+        self.spec = None  # a loom.spec.SpecDecoder, attached by the engine when speculating
 
     @staticmethod
     def kv_bytes_per_token(cfg, kv_dtype: torch.dtype = torch.float32) -> int:
@@ -56,6 +59,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
+            if self.spec is not None:
+                self.spec.finish(rid)
         for new in out.new_requests:
             p = new.params
             banned = () if p.min_tokens == 0 else tuple(sorted(
@@ -64,14 +69,21 @@ class ModelRunner:
         if not out.seqs:
             return RunnerOutput({})
         self._copy_blocks(out.block_copies)
-        input_ids, positions, meta = self._prepare(out)
+        input_ids, positions, meta = build_batch(out.seqs, self.block_size)
+        t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)      # [T, D]
         sample_seqs = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sample_seqs:
             return RunnerOutput({})
-        rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in sample_seqs])
-        logits = self.model.compute_logits(hidden[rows])                             # [S, V]
-        return self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
+        # one row per sampled sequence, or 1 + its draft nodes when it verifies a draft
+        counts = [1 + len(out.seqs[i].draft_parents) for i in sample_seqs]
+        rows = torch.cat([torch.arange(meta.query_starts[i] + meta.query_lens[i] - c, meta.query_starts[i]
+                                       + meta.query_lens[i]) for i, c in zip(sample_seqs, counts)])
+        logits = self.model.compute_logits(hidden[rows])                             # [R, V]
+        if self.spec is None:
+            return self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
+        self.spec.record_step(out, time.perf_counter() - t0)
+        return self.spec.step(self, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
@@ -80,26 +92,9 @@ class ModelRunner:
                 k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
                 v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids, pos, query_lens, ctx_lens, kv_slots = [], [], [], [], []
-        offsets = torch.arange(bs)
-        for s in out.seqs:
-            n, ctx = len(s.token_ids), s.start_pos + len(s.token_ids)
-            ids += s.token_ids
-            pos.append(torch.arange(s.start_pos, ctx))
-            table = torch.tensor(s.block_table[:(ctx + bs - 1) // bs], dtype=torch.int64)
-            kv_slots.append((table[:, None] * bs + offsets).flatten()[:ctx])   # [ctx]
-            query_lens.append(n)
-            ctx_lens.append(ctx)
-        positions = torch.cat(pos)
-        slot_mapping = torch.cat([sl[-n:] for sl, n in zip(kv_slots, query_lens)])
-        meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots)
-        return torch.tensor(ids, dtype=torch.int64), positions, meta
-
-    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
+    def sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
         states = [self.states[r] for r in req_ids]
-        batch = SamplingBatch.build(
+        return SamplingBatch.build(
             [st.params for st in states],
             generators=[st.generator for st in states],
             prompt_ids=[st.prompt_token_ids for st in states],
@@ -107,7 +102,10 @@ class ModelRunner:
             banned=[st.banned_until_min if len(st.output_token_ids) < st.params.min_tokens else ()
                     for st in states],
         )
-        res = self.sampler(logits, batch)
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
+        states = [self.states[r] for r in req_ids]
+        res = self.sampler(logits, self.sampling_batch(req_ids))
         tokens = res.token_ids.tolist()
         sampled, logprobs = {}, {}
         for i, (rid, st, tok) in enumerate(zip(req_ids, states, tokens)):
@@ -118,6 +116,39 @@ class ModelRunner:
                 top = list(zip(res.top_token_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
                 logprobs[rid] = [TokenLogprobs(float(res.logprobs[i]), top)]
         return RunnerOutput(sampled, logprobs)
+
+
+def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The flat batch of `seqs` (`ScheduledSeq`s): ids, positions and attention metadata.
+
+    A sequence verifying a draft tree holds its committed new tokens, then the tree's
+    nodes; node i takes the next slot in order but the position of its depth, and a tree
+    mask (loom.spec.tree) lets it see only the committed tokens and its ancestors:
+
+        slots      s  s+1 s+2 s+3 s+4       (committed c, nodes 0..3, parents [-1, -1, 0, 2])
+        tokens     c  n0  n1  n2  n3
+        positions  p  p+1 p+1 p+2 p+3
+    """
+    ids, pos, query_lens, ctx_lens, kv_slots, masks = [], [], [], [], [], []
+    offsets = torch.arange(block_size)
+    for s in seqs:
+        n, ctx = len(s.token_ids), s.start_pos + len(s.token_ids)
+        ids += s.token_ids
+        nd = len(s.draft_parents)
+        root = s.start_pos + n - nd - 1
+        pos.append(torch.arange(s.start_pos, root + 1))
+        if nd:
+            pos.append(root + torch.tensor(DraftTree(tuple(s.token_ids[n - nd:]), s.draft_parents).depths))
+        masks.append(tree_attention_mask(n - nd, s.draft_parents) if nd else None)
+        table = torch.tensor(s.block_table[:(ctx + block_size - 1) // block_size], dtype=torch.int64)
+        kv_slots.append((table[:, None] * block_size + offsets).flatten()[:ctx])   # [ctx]
+        query_lens.append(n)
+        ctx_lens.append(ctx)
+    positions = torch.cat(pos)
+    slot_mapping = torch.cat([sl[-n:] for sl, n in zip(kv_slots, query_lens)])
+    meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots,
+                                   masks if any(m is not None for m in masks) else None)
+    return torch.tensor(ids, dtype=torch.int64), positions, meta
 
 
 @torch.inference_mode()

@@ -342,6 +342,14 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
         """Draw one token for each row of `logits`, which are the batch's `rows`."""
+        probs = self.probs(logits, batch, rows)
+        noise = self._noise(probs.shape, [batch.generators[i] for i in rows.tolist()])
+        return probs.div_(noise).argmax(dim=1)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        """The distribution each non-greedy row draws from (step 5 of the module doc, without the
+        draw); `logits` are the batch's `rows`, modified in place."""
         logits.div_(batch.temperature[rows].unsqueeze(1))
 
         top_k, top_p = batch.top_k[rows], batch.top_p[rows]
@@ -358,9 +366,7 @@ class Sampler:
             on = min_p > 0
             if bool(on.any()):
                 _on_rows(probs, _rows_where(on), apply_min_p, min_p)
-
-        noise = self._noise(probs.shape, [batch.generators[i] for i in rows.tolist()])
-        return probs.div_(noise).argmax(dim=1)
+        return probs
 
     def _noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
         """Exp(1) noise [R, V]: row i from generators[i], or from the shared generator."""

@@ -13,6 +13,7 @@ the exposition format appends it (``vllm:prompt_tokens_total``).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from loom.engine.async_engine import AsyncEngine
 from loom.outputs import RequestOutput
+from loom.spec.decoder import SpecStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
                 160.0, 640.0)
@@ -44,18 +46,20 @@ class EngineSample:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec: SpecStats | None = None     # speculative decoding counters; None when it is off
 
 
 def sample_engine(ae: AsyncEngine) -> EngineSample:
     """Reads the engine's state under its lock (waits for a running step to end)."""
 
     def read(engine) -> EngineSample:
-        s, kv = engine.scheduler.stats, engine.kv
+        s, kv, spec = engine.scheduler.stats, engine.kv, engine.runner.spec
         return EngineSample(num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
                             kv_usage=float(kv.usage()), num_preemptions=s.num_preemptions,
                             prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
                             prefix_cache_queries=kv.stats.prefix_cache_queries,
-                            prefix_cache_hits=kv.stats.prefix_cache_hits)
+                            prefix_cache_hits=kv.stats.prefix_cache_hits,
+                            spec=None if spec is None else copy.deepcopy(spec.stats))
 
     return ae.snapshot(read)
 
@@ -92,6 +96,20 @@ class _EngineCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        if s.spec is not None:
+            yield from _spec_metrics(s.spec, labels, counter)
+
+
+def _spec_metrics(st: SpecStats, labels: list[str], counter) -> Iterator[Metric]:
+    yield counter("vllm:spec_decode_num_drafts", "Draft trees verified.", st.num_drafts)
+    yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", st.num_draft_tokens)
+    yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.num_accepted_tokens)
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the draft.",
+                                  labels=["model_name", "position"])
+    for pos, n in enumerate(st.accepted_per_pos):
+        per_pos.add_metric(labels + [str(pos)], n)
+    yield per_pos
 
 
 class ServerMetrics:

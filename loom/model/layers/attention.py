@@ -147,6 +147,8 @@ def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale
     kh = k_cache[key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
     vh = v_cache[key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
     q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)                   # [n, 1]
+    if tree_mask is not None:  # a tree node's position: the new tokens it sees, after the context
+        q_pos = (ctx - n - 1 + tree_mask.sum(dim=1)).unsqueeze(1)
     k_pos = torch.arange(first, ctx).unsqueeze(0)                     # [1, L]
     mask = k_pos <= q_pos
     if window:

@@ -1,0 +1,169 @@
+"""`loom bench --spec`: speculative decoding per Spec-Bench category.
+
+Per category, on the same chat-formatted prompts and greedy decoding:
+
+    single stream   each prompt alone: output tokens / seconds, summed over the prompts
+    8 concurrent    8 prompts at once: output tokens / wall seconds
+
+for loom without speculation, loom with each method, and (single stream, where
+llama-cpp-python is installed) llama.cpp without and with its prompt-lookup drafter
+(`LlamaPromptLookupDecoding`). Engines run one after another in this process and share
+one copy of the weights. Reported: accepted draft tokens per verification step, tokens
+per step, and speedups over plain loom and over llama.cpp's prompt lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loom.bench.settings import BenchError
+
+METHODS = ("prompt_lookup", "token_recycling", "lookahead", "auto")
+CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class SpecBenchSettings:
+    prompts_per_category: int = 4
+    max_tokens: int = 128
+    prompt_tokens: int = 768
+    methods: tuple[str, ...] = METHODS
+    dtype: str = "auto"
+
+    @classmethod
+    def preset(cls, quick: bool) -> "SpecBenchSettings":
+        return cls(prompts_per_category=1, max_tokens=32, prompt_tokens=384, methods=("auto",)) if quick else cls()
+
+
+def _prompts(path: Path, tok, s: SpecBenchSettings) -> dict[str, list[list[int]]]:
+    if not path.is_file():
+        raise BenchError(f"Spec-Bench prompts not found at {path}; pass --prompts PATH")
+    by_cat: dict[str, list[list[int]]] = defaultdict(list)
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        cat = row["category"]
+        if len(by_cat[cat]) < s.prompts_per_category:
+            ids = tok.encode_chat([{"role": "user", "content": row["turns"][0]}], add_generation_prompt=True)
+            if len(ids) <= s.prompt_tokens:
+                by_cat[cat].append(ids)
+    return {c: p for c, p in by_cat.items() if p}
+
+
+def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> dict[str, float]:
+    """Output tokens, seconds and engine steps of the prompts, alone one by one or all at once."""
+    from loom.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    groups = [prompts] if concurrent else [[p] for p in prompts]
+    tokens = steps = 0
+    seconds = 0.0
+    for group in groups:
+        for p in group:
+            engine.add_request({"prompt_token_ids": p}, params)
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    tokens += len(o.outputs[0].token_ids)
+            steps += 1
+        seconds += time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "steps": steps}
+
+
+def _llamacpp_run(path: Path, threads: int, prompts: list[list[int]], max_tokens: int,
+                  lookup: bool) -> dict[str, float] | None:
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return None
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
+    llm = Llama(str(path), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False, draft_model=draft,
+                logits_all=lookup)
+    tokens, seconds = 0, 0.0
+    for p in prompts:
+        llm.reset()
+        t0 = time.perf_counter()
+        out = llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, top_k=1)
+        seconds += time.perf_counter() - t0
+        tokens += out["usage"]["completion_tokens"]
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecBenchSettings,
+                   log=print) -> dict[str, Any]:
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.registry import resolve_model
+    from loom.loader.tokenizer import Tokenizer
+    from loom.model.loader import load_model
+
+    path = resolve_model(model)
+    gguf = GGUFFile.open(path)
+    tok = Tokenizer.from_gguf(gguf)
+    weights = load_model(gguf, linear=EngineConfig.create(model, dtype=settings.dtype).load.linear_mode)
+    cats = _prompts(prompts_path, tok, settings)
+    budget = dict(block_size=16, num_blocks=4096, max_num_batched_tokens=1024, max_num_seqs=CONCURRENCY)
+
+    def engine(spec=None) -> Engine:
+        return Engine(EngineConfig.create(str(path), dtype=settings.dtype, threads=threads,
+                                          speculative_config=spec, **budget), model=weights, tokenizer=tok)
+
+    rows: dict[str, dict[str, Any]] = {}
+    for cat, prompts in cats.items():
+        batch = [prompts[i % len(prompts)] for i in range(CONCURRENCY)]
+        row: dict[str, Any] = {"prompts": len(prompts)}
+        base = engine()
+        row["loom"] = {"single": _loom_run(base, prompts, settings.max_tokens, False),
+                       "concurrent": _loom_run(base, batch, settings.max_tokens, True)}
+        for method in settings.methods:
+            e = engine({"method": method})
+            entry = {"single": _loom_run(e, prompts, settings.max_tokens, False),
+                     "concurrent": _loom_run(e, batch, settings.max_tokens, True)}
+            st = e.runner.spec.stats
+            entry["accepted_per_draft"] = st.num_accepted_tokens / st.num_drafts if st.num_drafts else 0.0
+            entry["num_drafts"], entry["num_accepted_tokens"] = st.num_drafts, st.num_accepted_tokens
+            row[method] = entry
+        for label, lookup in (("llama.cpp", False), ("llama.cpp+lookup", True)):
+            res = _llamacpp_run(path, threads, prompts, settings.max_tokens, lookup)
+            if res is not None:
+                row[label] = {"single": res}
+        rows[cat] = row
+        log(f"{cat}: done")
+    return {"model": path.name, "threads": threads, "settings": settings.__dict__, "categories": rows}
+
+
+def _speedups(row: dict[str, Any], method: str) -> tuple[float, float, float | None]:
+    m, base = row[method], row["loom"]
+    single = m["single"]["tok_s"] / base["single"]["tok_s"]
+    conc = m["concurrent"]["tok_s"] / base["concurrent"]["tok_s"]
+    lcpp = row.get("llama.cpp+lookup")
+    return single, conc, (m["single"]["tok_s"] / lcpp["single"]["tok_s"] if lcpp else None)
+
+
+def spec_lines(report: dict[str, Any]) -> list[str]:
+    """A Markdown table per method: the `--spec` section of docs/benchmarks.md."""
+    s = report["settings"]
+    lines = [f"## Speculative decoding ({report['model']}, {report['threads']} threads)", "",
+             f"Spec-Bench, {s['prompts_per_category']} chat prompts per category, greedy, {s['max_tokens']} new "
+             f"tokens, dtype {s['dtype']}. Speedup = output tok/s with speculation / without; vs llama.cpp = "
+             f"over llama.cpp with `LlamaPromptLookupDecoding` (single stream).", ""]
+    for method in s["methods"]:
+        lines += [f"### `{method}`", "",
+                  "| category | accepted / draft | single tok/s | single speedup | "
+                  f"{CONCURRENCY} concurrent speedup | vs llama.cpp lookup |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for cat, row in report["categories"].items():
+            single, conc, lcpp = _speedups(row, method)
+            lines.append(f"| {cat} | {row[method]['accepted_per_draft']:.2f} | {row[method]['single']['tok_s']:.1f} "
+                         f"| {single:.2f}x | {conc:.2f}x | {'-' if lcpp is None else f'{lcpp:.2f}x'} |")
+        lines.append("")
+    return lines

@@ -1,0 +1,153 @@
+"""How many draft nodes each sequence gets next step: measured gain against measured cost.
+
+Cost. `CostModel` holds the measured seconds of one forward pass as a function of the
+batch: B sequences decoding or verifying, carrying X draft tokens in all. It starts from a
+calibration (timed forward passes of the runner at a few (B, X) points, made before any
+request exists) and keeps learning from every step without prefill chunks (an average per
+observed (B, X)). Between points it interpolates linearly; X = 0 is its own point, since
+an all-decode batch may take a faster path than one with drafts.
+
+Gain. Each sequence has a per-depth acceptance rate `a` (accepted nodes / tried depths,
+decayed over recent steps, starting from the average over all sequences). A tree of k
+nodes reaching depth D(k) is expected to add sum_{d=1..D(k)} a^d tokens.
+
+Choice. Increments (one more depth for one sequence, the one that gains the most per
+node first) are taken in order; the step's objective is tokens per second,
+
+    (B + expected accepted) / (cost(B, X) + drafting seconds per node * X),
+
+and the prefix of increments that maximises it wins. When drafts do not pay (a large
+batch, low acceptance, a slow drafter) that prefix is empty and the step runs plain
+decoding. A sequence left without drafts is offered a one-node probe every PROBE_EVERY
+steps so that its estimate can recover.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+DECAY = 0.8            # weight of the older acceptance evidence per step
+PRIOR_RATE = 0.5
+PRIOR_WEIGHT = 2.0
+PROBE_EVERY = 16
+COST_EMA = 0.2
+
+
+class CostModel:
+    def __init__(self):
+        self.rows: dict[int, dict[int, float]] = {}   # B -> {X: seconds}
+
+    def observe(self, batch: int, extra: int, seconds: float) -> None:
+        row = self.rows.setdefault(batch, {})
+        old = row.get(extra)
+        row[extra] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    @staticmethod
+    def _along(row: dict[int, float], extra: int) -> float:
+        """Row cost at `extra`: piecewise linear over its X > 0 points, extended by the
+        nearest segment (by the line from X = 0 when it has one such point)."""
+        if extra == 0:
+            return row[0]
+        xs = sorted(x for x in row if x > 0)
+        if len(xs) == 1:
+            x1 = xs[0]
+            return row[x1] + (row[x1] - row[0]) / x1 * (extra - x1)
+        i = min(max(bisect.bisect_left(xs, extra), 1), len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        return row[x0] + (row[x1] - row[x0]) * (extra - x0) / (x1 - x0)
+
+    def cost(self, batch: int, extra: int) -> float:
+        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens."""
+        usable = {b: r for b, r in self.rows.items() if 0 in r and (extra == 0 or len(r) > 1)}
+        if not usable:
+            return 1.0 + extra   # unmeasured: every token costs alike
+        if batch in usable:
+            return max(self._along(usable[batch], extra), 0.0)
+        bs = sorted(usable)
+        i = bisect.bisect_left(bs, batch)
+        if i == 0 or i == len(bs):   # outside the measured batches: scale the nearest in proportion
+            b = bs[0] if i == 0 else bs[-1]
+            return max(self._along(usable[b], round(extra * b / batch)), 0.0) * batch / b
+        b0, b1 = bs[i - 1], bs[i]
+        c0, c1 = self._along(usable[b0], extra), self._along(usable[b1], extra)
+        return max(c0 + (c1 - c0) * (batch - b0) / (b1 - b0), 0.0)
+
+
+@dataclass
+class _Rate:
+    hits: float = 0.0
+    tries: float = 0.0
+    idle: int = 0          # steps since this sequence last drafted
+
+
+class SpecController:
+    def __init__(self, max_nodes: int, depth, adaptive: bool = True):
+        """`depth(k)`: depth of the drafter's trees of k nodes."""
+        self.max_nodes, self.depth, self.adaptive = max_nodes, depth, adaptive
+        self.cost = CostModel()
+        self.rates: dict[str, _Rate] = {}
+        self.total = _Rate()
+
+    def rate(self, req_id: str) -> float:
+        r = self.rates.get(req_id)
+        prior = (self.total.hits + PRIOR_RATE * PRIOR_WEIGHT) / (self.total.tries + PRIOR_WEIGHT)
+        if r is None:
+            return prior
+        return (r.hits + prior * PRIOR_WEIGHT) / (r.tries + PRIOR_WEIGHT)
+
+    def record(self, req_id: str, accepted: int, max_depth: int) -> None:
+        """A verified tree of depth `max_depth` gave `accepted` nodes."""
+        tries = accepted + (1 if accepted < max_depth else 0)
+        for r in (self.rates.setdefault(req_id, _Rate()), self.total):
+            r.hits = DECAY * r.hits + accepted
+            r.tries = DECAY * r.tries + tries
+
+    def finish(self, req_id: str) -> None:
+        self.rates.pop(req_id, None)
+
+    def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float) -> list[int]:
+        """Nodes per sequence (0: no draft) for a next step of `batch` sequences in all;
+        `caps[i]` bounds sequence i."""
+        if not self.adaptive:
+            return list(caps)
+        sizes = [0] * len(req_ids)
+        heap = []
+        for i, rid in enumerate(req_ids):
+            self._push(heap, i, 0, self.rate(rid), caps[i])
+        steps: list[tuple[int, int, float]] = []        # (sequence, new size, gain)
+        while heap:
+            _, i, k, gain, a = heapq.heappop(heap)
+            steps.append((i, k, gain))
+            self._push(heap, i, k, a, caps[i])
+        best, best_at, tokens, extra = batch / self.cost.cost(batch, 0), 0, float(batch), 0
+        for n, (i, k, gain) in enumerate(steps, start=1):
+            extra += k - sizes[i]
+            sizes[i] = k
+            tokens += gain
+            speed = tokens / (self.cost.cost(batch, extra) + draft_cost * extra)
+            if speed > best:
+                best, best_at = speed, n
+        sizes = [0] * len(req_ids)
+        for i, k, _ in steps[:best_at]:
+            sizes[i] = k
+        return self._probe(req_ids, sizes, caps)
+
+    def _push(self, heap, i: int, k: int, a: float, cap: int) -> None:
+        """The next increment of sequence i from k nodes: up to the size where its depth grows."""
+        d = self.depth(k) if k else 0
+        for k2 in range(k + 1, cap + 1):
+            d2 = self.depth(k2)
+            if d2 > d:
+                gain = sum(a ** j for j in range(d + 1, d2 + 1))
+                heapq.heappush(heap, (-gain / (k2 - k), i, k2, gain, a))
+                return
+
+    def _probe(self, req_ids: list[str], sizes: list[int], caps: list[int]) -> list[int]:
+        for i, rid in enumerate(req_ids):
+            r = self.rates.setdefault(rid, _Rate())
+            r.idle = 0 if sizes[i] else r.idle + 1
+            if r.idle >= PROBE_EVERY and caps[i]:
+                sizes[i], r.idle = 1, 0
+        return sizes

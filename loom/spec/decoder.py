@@ -1,0 +1,190 @@
+"""The runner's side of speculative decoding: verify drafts, learn, propose the next ones.
+
+After the forward pass the runner hands over the logits of every sampled sequence: one
+row, or 1 + its tree's nodes when it verified a draft. Per step:
+
+    verify     greedy match / rejection sampling per tree (loom.spec.verify)
+    compact    copy the KV of accepted nodes that sit off their depth's slot
+    observe    the target's top-k per row -> drafters that learn from it
+    plan       controller: nodes per sequence for the next step (zero included)
+    propose    drafter -> RunnerOutput.drafts (the scheduler grants them next step)
+
+Tree slots are allocated in node order, so an accepted path 0 -> 2 -> 4 has its KV at
+slots base+0, base+2, base+4 but belongs at positions root+1..root+3 = slots base+0..2:
+
+    slots   base+0  base+1  base+2  base+3  base+4
+    before  [n0]    n1      [n2]    n3      [n4]        accepted: n0, n2, n4
+    after   n0      n2      n4      (rolled back by the scheduler's trim)
+
+Requests that use penalties, logprobs, or have not reached min_tokens are never drafted
+for: their next-token rule depends on state the verifier does not replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loom.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from loom.spec.config import SpeculativeConfig
+from loom.spec.controller import SpecController
+from loom.spec.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
+from loom.spec.tree import DraftTree
+from loom.spec.verify import verify_greedy, verify_sampled
+
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
+CALIBRATION_DRAFTS = (0, 1, 2, 4, 8)      # draft nodes per sequence
+CALIBRATION_CONTEXT = 64
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counts, vLLM's spec-decode metric semantics."""
+
+    num_drafts: int = 0                 # trees verified
+    num_draft_tokens: int = 0           # their nodes
+    num_accepted_tokens: int = 0        # nodes accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [d]: trees whose node at depth d+1 was accepted
+
+
+def eligible(params, num_output: int) -> bool:
+    return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
+            and params.repetition_penalty == 1 and num_output >= params.min_tokens)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, env: DraftEnv):
+        self.config = config
+        self.drafter = DRAFTERS[config.method](config, env)
+        self.controller = SpecController(config.num_speculative_tokens, self.drafter.depth, config.adaptive)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def finish(self, req_id: str) -> None:
+        self.drafter.finish(req_id)
+        self.controller.finish(req_id)
+
+    # -- cost ---------------------------------------------------------------------------
+    def record_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feeds a step's forward time to the cost model (steps without prefill chunks only)."""
+        extra = 0
+        for s in out.seqs:
+            if len(s.token_ids) - len(s.draft_parents) != 1:
+                return
+            extra += len(s.draft_parents)
+        self.controller.cost.observe(len(out.seqs), extra, seconds)
+
+    @torch.inference_mode()
+    def calibrate(self, runner, max_num_seqs: int) -> None:
+        """Times forward passes at a grid of (sequences, draft nodes each); run before any
+        request holds KV blocks (it writes into free blocks)."""
+        bs = runner.block_size
+        per_seq = -(-(CALIBRATION_CONTEXT + max(CALIBRATION_DRAFTS) + 1) // bs)
+        gen = torch.Generator().manual_seed(0)
+        warm = True
+        for b in CALIBRATION_BATCHES:
+            if b > max_num_seqs or b * per_seq > runner.num_blocks:
+                break
+            for k in CALIBRATION_DRAFTS:
+                if k > self.config.num_speculative_tokens:
+                    break
+                seqs = [ScheduledSeq(f"calibrate{i}",
+                                     torch.randint(runner.vocab_size, (1 + k,), generator=gen).tolist(),
+                                     CALIBRATION_CONTEXT, list(range(i * per_seq, (i + 1) * per_seq)), True,
+                                     tuple(range(-1, k - 1))) for i in range(b)]
+                if warm:   # the first pass pays one-time costs
+                    self._time_forward(runner, seqs)
+                    warm = False
+                best = min(self._time_forward(runner, seqs) for _ in range(2))
+                self.controller.cost.observe(b, b * k, best)
+
+    @staticmethod
+    def _time_forward(runner, seqs) -> float:
+        from loom.model.runner import build_batch
+
+        ids, positions, meta = build_batch(seqs, runner.block_size)
+        t0 = time.perf_counter()
+        hidden = runner.model.forward(ids, positions, meta, runner.kv_caches)
+        runner.model.compute_logits(hidden)
+        return time.perf_counter() - t0
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self, runner, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],
+             logits: torch.Tensor) -> RunnerOutput:
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        plain = [i for i, s in enumerate(seqs) if not s.draft_parents]
+        result = runner._sample(logits[[starts[i] for i in plain]], [seqs[i].req_id for i in plain]) \
+            if plain else RunnerOutput({})
+        topk = None
+        if self.drafter.observe_topk:
+            topk = logits.topk(self.drafter.observe_topk, dim=1).indices.tolist()
+        index = {s.req_id: i for i, s in enumerate(out.seqs)}
+        for i, s in enumerate(seqs):
+            nd = len(s.draft_parents)
+            accepted = 0
+            if nd:
+                tree = DraftTree(tuple(s.token_ids[-nd:]), s.draft_parents)
+                verdict = self._verify(runner, s.req_id, tree, logits[starts[i]:starts[i + 1]])
+                accepted = len(verdict.accepted_nodes)
+                runner.states[s.req_id].output_token_ids.extend(verdict.tokens)
+                result.sampled[s.req_id] = verdict.tokens
+                self._compact(runner, meta.kv_slots[index[s.req_id]], len(s.token_ids) - nd + s.start_pos,
+                              verdict.accepted_nodes)
+                self._count(s.req_id, tree, accepted)
+            if topk is not None:
+                root = len(s.token_ids) - nd - 1
+                self.drafter.observe(Observation(
+                    s.req_id, s.token_ids[root:], [-1] + [p + 1 for p in s.draft_parents],
+                    topk[starts[i]:starts[i + 1]], accepted))
+        result.drafts.update(self._propose(runner, seqs, len(out.seqs)))
+        return result
+
+    def _verify(self, runner, req_id: str, tree: DraftTree, logits: torch.Tensor):
+        st = runner.states[req_id]
+        if st.params.is_greedy:
+            return verify_greedy(tree, logits.argmax(dim=1).tolist())
+        batch = runner.sampling_batch([req_id] * logits.shape[0])
+        probs = runner.sampler.probs(logits.clone(), batch, torch.arange(logits.shape[0]))
+        return verify_sampled(tree, probs, st.generator or runner.sampler.generator)
+
+    @staticmethod
+    def _compact(runner, slots: torch.Tensor, base: int, nodes: list[int]) -> None:
+        moves = [(base + node, base + d) for d, node in enumerate(nodes) if node != d]
+        if not moves:
+            return
+        src = slots[torch.tensor([m[0] for m in moves])]
+        dst = slots[torch.tensor([m[1] for m in moves])]
+        for k, v in runner.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def _count(self, req_id: str, tree: DraftTree, accepted: int) -> None:
+        st = self.stats
+        st.num_drafts += 1
+        st.num_draft_tokens += len(tree)
+        st.num_accepted_tokens += accepted
+        for d in range(accepted):
+            st.accepted_per_pos[d] += 1
+        self.controller.record(req_id, accepted, max(tree.depths))
+
+    def _propose(self, runner, seqs: list[ScheduledSeq], batch: int) -> dict[str, DraftTree]:
+        cands, caps = [], []
+        for s in seqs:
+            st = runner.states[s.req_id]
+            left = (st.params.max_tokens or 1 << 30) - len(st.output_token_ids) - 1
+            if eligible(st.params, len(st.output_token_ids)) and left > 0:
+                cands.append(s.req_id)
+                caps.append(min(self.config.num_speculative_tokens, left))
+        if not cands:
+            return {}
+        sizes = self.controller.plan(cands, batch, caps, self.drafter.cost_per_token())
+        reqs = []
+        for rid, k in zip(cands, sizes):
+            if k:
+                st = runner.states[rid]
+                reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k))
+        trees = self.drafter.propose(reqs) if reqs else []
+        return {r.req_id: t.cut(r.budget) for r, t in zip(reqs, trees) if t is not None and len(t)}

@@ -1,0 +1,88 @@
+"""The drafter interface and its registry.
+
+A drafter proposes, for each sequence about to decode, a `DraftTree` of at most `budget`
+nodes continuing its committed tokens; the runner scores the tree in the next step. A
+drafter never sees a request object, only ids and token lists, and may keep state per
+request (dropped by `finish`) or across requests.
+
+    runner step k:   forward(batch) -> verify -> observe(rows) -> propose(next budgets)
+                                                                     |
+    runner step k+1: forward(batch incl. the trees)  <---------------+
+
+`observe` hands the drafter the target's top-k next tokens of every row the step scored
+(the root and each draft node), which drafters that learn from the target use
+(Token Recycling, Lookahead). Adding a drafter = one module with a `@register`ed class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from loom.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftEnv:
+    """What a drafter may build on: the target model and its cache geometry."""
+
+    target: Any             # the target model (cfg, forward, compute_logits)
+    linear_mode: str        # linear backend the target was loaded with
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    req_id: str
+    token_ids: list[int]    # committed tokens: prompt + output
+    budget: int             # most nodes the tree may have (>= 1)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The target's view of one sequence's scored rows this step."""
+
+    req_id: str
+    row_tokens: list[int]         # token at each scored row: the root, then the draft nodes
+    row_parents: list[int]        # parent row of each row (-1 for the root row)
+    row_topk: list[list[int]]     # target's top-k next tokens after each row, best first
+    accepted: int                 # draft nodes accepted along the path
+
+
+class Drafter(ABC):
+    """Constructed as `cls(config: SpeculativeConfig, env: DraftEnv)`."""
+
+    name: str
+    observe_topk: int = 0         # top-k the drafter wants in `observe` (0: no observations)
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
+        """One tree (or None: nothing worth proposing) per request, each within its budget."""
+
+    def observe(self, obs: Observation) -> None:
+        """Learn from the target's predictions (default: nothing)."""
+
+    def finish(self, req_id: str) -> None:
+        """Forget a finished request (default: nothing kept)."""
+
+    def depth(self, size: int) -> int:
+        """Depth of a tree of `size` nodes (chains: size); used by the controller."""
+        return size
+
+    def cost_per_token(self) -> float:
+        """Measured seconds of drafting per proposed node (0 for table look-ups)."""
+        return 0.0
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        cls.name = name
+        DRAFTERS[name] = cls
+        return cls
+
+    return wrap

@@ -1,0 +1,338 @@
+"""Speculative decoding (loom/spec).
+
+  1. Pieces without a model: tree masks, greedy verification, prompt lookup, the
+     controller's choice from measured costs, config errors (milliseconds).
+  2. Lossless sampling: chi-square tests of recursive rejection sampling against the target
+     distribution of a tiny random model, for a chain and a tree (seconds).
+  3. Engine on the tiny llama: rollback under preemption and prefix caching keeps the
+     block pool consistent; stop strings and max_tokens cut multi-token steps exactly.
+  4. Real model, exact mode: for every drafter, greedy outputs with speculation equal the
+     outputs without it, token for token, on Spec-Bench prompts of every category, batched
+     and alone, with drafted and accepted counts above zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.errors import InvalidRequestError
+from loom.sampling_params import SamplingParams
+from loom.spec.controller import SpecController
+from loom.spec.drafters.prompt_lookup import lookup
+from loom.spec.tree import DraftTree, tree_attention_mask
+from loom.spec.verify import verify_greedy, verify_sampled
+
+METHODS = ["prompt_lookup", "token_recycling", "lookahead", "draft_model", "auto"]
+
+
+def method_config(method: str, **extra) -> dict:
+    cfg = {"method": method, "adaptive": False} | extra
+    if method == "draft_model":
+        cfg.setdefault("num_layers", 1)
+    return cfg
+
+
+# =============================================================================================
+# 1. Pieces
+# =============================================================================================
+
+
+def test_tree_depths_paths_and_mask():
+    tree = DraftTree((10, 11, 12, 13, 14), (-1, -1, 0, 1, 2))
+    assert tree.depths == [1, 1, 2, 2, 3]
+    assert tree.path(4) == [0, 2, 4]
+    assert tree.cut(3) == DraftTree((10, 11, 12), (-1, -1, 0))
+    mask = tree_attention_mask(2, tree.parents).int().tolist()
+    assert mask == [[1, 0, 0, 0, 0, 0, 0],
+                    [1, 1, 0, 0, 0, 0, 0],
+                    [1, 1, 1, 0, 0, 0, 0],
+                    [1, 1, 0, 1, 0, 0, 0],
+                    [1, 1, 1, 0, 1, 0, 0],
+                    [1, 1, 0, 1, 0, 1, 0],
+                    [1, 1, 1, 0, 1, 0, 1]]
+    with pytest.raises(ValueError):
+        DraftTree((1, 1), (-1, -1))      # siblings must differ
+    with pytest.raises(ValueError):
+        DraftTree((1, 2), (1, -1))       # parents come first
+
+
+def test_greedy_verification_follows_the_argmax_path():
+    tree = DraftTree((10, 11, 12, 13), (-1, -1, 1, 1))
+    # rows: root, node0..3; argmax after root is 11 (node 1), after node 1 is 13 (node 3), then 7
+    argmax = [11, 99, 13, 99, 7]
+    v = verify_greedy(tree, argmax)
+    assert v.accepted_nodes == [1, 3] and v.tokens == [11, 13, 7]
+    v = verify_greedy(tree, [5, 0, 0, 0, 0])
+    assert v.accepted_nodes == [] and v.tokens == [5]
+
+
+def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    assert lookup(toks, 3, 1, 3) == [4, 5, 6]          # latest occurrence of (1, 2, 3)
+    assert lookup([1, 2, 3, 4], 2, 1, 3) == []
+
+
+def test_controller_drafts_when_it_pays_and_not_when_it_does_not():
+    ctl = SpecController(8, depth=lambda k: k)
+    # verifying extra tokens is almost free: drafts pay
+    for b in (1, 8):
+        ctl.cost.observe(b, 0, 0.010 * b)
+        ctl.cost.observe(b, 8 * b, 0.011 * b)
+    for _ in range(10):
+        ctl.record("a", 4, 4)
+    assert ctl.plan(["a"], 1, [8], 0.0)[0] > 0
+    # every extra token costs as much as a whole step and acceptance is low: no drafts
+    slow = SpecController(8, depth=lambda k: k)
+    slow.cost.observe(1, 0, 0.010)
+    slow.cost.observe(1, 8, 0.090)
+    for _ in range(10):
+        slow.record("a", 0, 4)
+    assert slow.plan(["a"], 1, [8], 0.0) == [0]
+    # a slow drafter never pays either
+    assert ctl.plan(["a"], 1, [8], 1.0) == [0]
+
+
+def test_invalid_speculative_configs_are_refused(tiny_llama_path):
+    for bad in ({"method": "medusa"}, {"num_speculative_tokens": 4}, {"method": "prompt_lookup", "k": 3},
+                {"method": "prompt_lookup", "num_speculative_tokens": 0},
+                {"method": "lookahead", "num_layers": 2}, "prompt_lookup"):
+        with pytest.raises(InvalidRequestError):
+            EngineConfig.create(str(tiny_llama_path), speculative_config=bad)
+    with pytest.raises(InvalidRequestError, match="num_layers"):
+        Engine(EngineConfig.create(str(tiny_llama_path), num_blocks=64,
+                                   speculative_config={"method": "draft_model", "num_layers": 99}))
+
+
+# =============================================================================================
+# 2. Lossless sampling
+# =============================================================================================
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of counts against probs (cells of expected count < 5 pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].sum(0, keepdim=True).double()])
+    exp = torch.cat([expected[big].double(), expected[~big].sum(0, keepdim=True).double()])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama_path):
+    """Target distributions of the tiny random model: rows after a context and after each
+    of a few continuations, at temperature 0.7 and top-k 6 (a handful of likely tokens)."""
+    from loom.loader.gguf import GGUFFile
+    from loom.model.loader import load_model
+    from loom.model.runner import score
+    from loom.sample.sampler import Sampler, SamplingBatch
+
+    model = load_model(GGUFFile.open(tiny_llama_path))
+    params = SamplingParams(temperature=0.7, top_k=6)
+
+    def dist(ids):
+        logits = score(model, ids)[-1:].clone()
+        return Sampler.probs(logits, SamplingBatch.build([params]), torch.arange(1))[0]
+
+    return dist
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_rejection_sampling_keeps_the_target_distribution(tiny_target, shape):
+    ctx = [5, 17, 42, 8]
+    p0 = tiny_target(ctx)
+    ranked = p0.argsort(descending=True).tolist()
+    a, b = ranked[0], ranked[1]                       # likely first tokens
+    pa = tiny_target(ctx + [a])
+    pb = tiny_target(ctx + [b])
+    second = pa.argsort(descending=True).tolist()[1]
+    if shape == "chain":
+        tree = DraftTree.chain([a, second])
+        rows = torch.stack([p0, pa, tiny_target(ctx + [a, second])])
+    else:   # root -> a -> second, root -> b
+        tree = DraftTree((a, b, second), (-1, -1, 0))
+        rows = torch.stack([p0, pa, pb, tiny_target(ctx + [a, second])])
+    gen = torch.Generator().manual_seed(1234)
+    n = 6000
+    first = torch.zeros_like(p0)
+    after_a = torch.zeros_like(p0)
+    accepted = 0
+    for _ in range(n):
+        v = verify_sampled(tree, rows, gen)
+        accepted += len(v.accepted_nodes)
+        first[v.tokens[0]] += 1
+        if v.tokens[0] == a:
+            after_a[v.tokens[1]] += 1
+    assert accepted > 0
+    assert chi_square_p(first, p0) > 1e-3, "first token does not follow the target"
+    assert chi_square_p(after_a, pa) > 1e-3, "second token after the first draft does not follow the target"
+
+
+# =============================================================================================
+# 3. Engine on the tiny llama
+# =============================================================================================
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_llama_path):
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+    from loom.model.loader import load_model
+
+    f = GGUFFile.open(tiny_llama_path)
+    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
+
+
+def tiny_engine(tiny_parts, spec=None, **options) -> Engine:
+    path, model, tok = tiny_parts
+    opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64, max_num_seqs=16) | options
+    return Engine(EngineConfig.create(str(path), speculative_config=spec, **opts), model=model, tokenizer=tok)
+
+
+def run(engine: Engine, prompts, params, check=False) -> list:
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        if check:
+            engine.kv.check_integrity()
+    return [final[i].outputs[0] for i in ids]
+
+
+REPEATING = [[3, 4, 5, 6, 7, 8, 9, 10] * 4, [20, 21, 22, 23, 24] * 5 + [20, 21], list(range(30, 70))]
+
+
+@pytest.mark.parametrize("method", ["lookahead", "token_recycling", "draft_model"])
+def test_rollback_under_preemption_and_prefix_caching_keeps_the_pool_consistent(tiny_parts, method):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = REPEATING + [REPEATING[0][:20] + [99, 98]]    # shares cached blocks with the first
+    want = [o.token_ids for o in run(tiny_engine(tiny_parts), prompts, params)]
+    engine = tiny_engine(tiny_parts, method_config(method), num_blocks=40)
+    got = run(engine, prompts, params, check=True)
+    stats = engine.runner.spec.stats
+    assert engine.scheduler.stats.num_preemptions > 0
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert [o.token_ids for o in got] == want
+    assert engine.kv.usage() == 0.0 and engine.kv.num_free_blocks() == 40
+
+
+def test_stop_strings_and_max_tokens_cut_multi_token_steps_exactly(tiny_parts):
+    tok = tiny_parts[2]
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = run(tiny_engine(tiny_parts), REPEATING, base)
+    # a stop string that the plain run completes in the middle of its output
+    stops = [tok.decode(o.token_ids[9:11]) for o in plain]
+    for i, prompt in enumerate(REPEATING):
+        for mt in (5, 24):
+            p = base.clone(max_tokens=mt, stop=[stops[i]] if stops[i].strip() else [])
+            want = run(tiny_engine(tiny_parts), [prompt], p)[0]
+            got = run(tiny_engine(tiny_parts, method_config("prompt_lookup")), [prompt], p)[0]
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+def test_sampled_outputs_follow_the_target_distribution_in_the_engine(tiny_parts):
+    """Seeded three-token completions: chi-square of the spec run's (first, second) token
+    pairs (the second one verified against a draft) against the pooled frequencies."""
+    prompt = REPEATING[0]
+    firsts = {}
+    for spec in (None, method_config("token_recycling", num_speculative_tokens=3)):
+        engine = tiny_engine(tiny_parts, spec, max_num_seqs=200, max_num_batched_tokens=1024)
+        params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s)
+                  for s in range(200)]
+        ids = [engine.add_request({"prompt_token_ids": prompt}, p) for p in params]
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+        firsts[spec is None] = [tuple(final[i].outputs[0].token_ids[:2]) for i in ids]
+        if spec is not None:
+            assert engine.runner.spec.stats.num_accepted_tokens > 0
+    cells = sorted(set(firsts[True]) | set(firsts[False]))
+    plain = torch.tensor([firsts[True].count(c) for c in cells], dtype=torch.float64)
+    spec = torch.tensor([firsts[False].count(c) for c in cells], dtype=torch.float64)
+    # two-sample test: the spec counts against the pooled frequencies
+    pooled = (plain + spec) / (plain + spec).sum()
+    assert chi_square_p(spec, pooled) > 1e-3
+
+
+def test_spec_metrics_are_exported_with_vllm_names(tiny_parts):
+    from loom.server.metrics import ServerMetrics
+
+    engine = tiny_engine(tiny_parts, method_config("prompt_lookup"))
+    run(engine, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+
+    class Snap:
+        def snapshot(self, fn):
+            return fn(engine)
+
+    text = ServerMetrics(Snap(), "tiny").exposition().decode()
+    stats = engine.runner.spec.stats
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(stats.num_drafts)}' in text
+    assert "vllm:spec_decode_num_draft_tokens_total" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(stats.num_accepted_tokens)}' \
+        in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    assert stats.num_accepted_tokens > 0 and stats.accepted_per_pos[0] > 0
+
+
+def test_adaptive_controller_calibrates_and_stays_exact(tiny_parts):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in run(tiny_engine(tiny_parts), REPEATING, params)]
+    engine = tiny_engine(tiny_parts, {"method": "auto"}, max_num_seqs=4)
+    assert engine.runner.spec.controller.cost.rows        # calibrated at start-up
+    assert [o.token_ids for o in run(engine, REPEATING, params)] == want
+
+
+# =============================================================================================
+# 4. Real model, exact mode
+# =============================================================================================
+
+SMOL = "smollm2-135m"
+PROMPT_TOKENS = 24
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def category_prompts(real_models):
+    """One Spec-Bench prompt per category, cut to PROMPT_TOKENS, and its plain greedy output."""
+    from conftest import spec_bench_questions
+
+    _, tok = real_models.loom(SMOL)
+    seen = {}
+    for q in spec_bench_questions():
+        seen.setdefault(q["category"], tok.encode(q["turns"][0])[:PROMPT_TOKENS])
+    prompts = list(seen.values())
+    engine = real_models.engine(SMOL, block_size=16, num_blocks=256, max_num_batched_tokens=2048)
+    want = [o.token_ids for o in run(engine, prompts, greedy())]
+    return prompts, want
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, category_prompts, method):
+    prompts, want = category_prompts
+    assert len(prompts) >= 13
+    spec = method_config(method, num_speculative_tokens=3)
+    if method == "draft_model":
+        spec["num_layers"] = 4
+    batched = real_models.engine(SMOL, block_size=16, num_blocks=256, max_num_batched_tokens=2048,
+                                 speculative_config=spec)
+    got = [o.token_ids for o in run(batched, prompts, greedy(), check=True)]
+    assert got == want
+    stats = batched.runner.spec.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    for i in (0,):   # alone
+        alone = real_models.engine(SMOL, block_size=16, num_blocks=64, speculative_config=spec)
+        assert run(alone, [prompts[i]], greedy())[0].token_ids == want[i]
+        assert alone.runner.spec.stats.num_draft_tokens > 0
