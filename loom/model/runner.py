@@ -34,6 +34,13 @@ class _ReqState:
     banned_until_min: tuple[int, ...]        # ids banned while output < min_tokens
     output_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax and nothing else: no penalties, logprobs or banned tokens this step."""
+        p = self.params
+        return (p.is_greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
+                and p.repetition_penalty == 1 and len(self.output_token_ids) >= p.min_tokens)
+
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, stop_token_ids: frozenset[int],
@@ -105,6 +112,11 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
         states = [self.states[r] for r in req_ids]
+        if all(st.plain_greedy for st in states):  # the common case, without building a sampling batch
+            tokens = logits.argmax(dim=1).tolist()
+            for st, tok in zip(states, tokens):
+                st.output_token_ids.append(tok)
+            return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, tokens)}, {})
         res = self.sampler(logits, self.sampling_batch(req_ids))
         tokens = res.token_ids.tolist()
         sampled, logprobs = {}, {}
