@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ from typer.core import TyperGroup
 from loom.errors import LoomError
 from loom.loader import registry
 
-out = Console()
+# piped or redirected output (bench tables into files) gets a wide page instead of 80 columns
+out = Console() if sys.stdout.isatty() else Console(width=160)
 err = Console(stderr=True)
 
 

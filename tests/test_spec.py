@@ -336,3 +336,15 @@ def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, cate
         alone = real_models.engine(SMOL, block_size=16, num_blocks=64, speculative_config=spec)
         assert run(alone, [prompts[i]], greedy())[0].token_ids == want[i]
         assert alone.runner.spec.stats.num_draft_tokens > 0
+
+
+def test_cost_model_never_estimates_zero_or_below_the_plain_pass():
+    from loom.spec.controller import CostModel
+
+    cost = CostModel()
+    cost.observe(1, 0, 0.010)
+    cost.observe(1, 4, 0.009)   # noise: a draft step measured faster than a plain one
+    cost.observe(1, 8, 0.002)
+    for extra in (0, 1, 8, 16, 64):
+        assert cost.cost(1, extra) >= 0.010
+    assert cost.cost(3, 32) > 0

@@ -59,7 +59,12 @@ class CostModel:
         return row[x0] + (row[x1] - row[x0]) * (extra - x0) / (x1 - x0)
 
     def cost(self, batch: int, extra: int) -> float:
-        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens."""
+        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens:
+        never below the pass without drafts, never zero (noisy points can slope downwards)."""
+        base = self._estimate(batch, 0)
+        return max(self._estimate(batch, extra) if extra else base, base, 1e-9)
+
+    def _estimate(self, batch: int, extra: int) -> float:
         usable = {b: r for b, r in self.rows.items() if 0 in r and (extra == 0 or len(r) > 1)}
         if not usable:
             return 1.0 + extra   # unmeasured: every token costs alike
