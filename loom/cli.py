@@ -110,6 +110,11 @@ def bench(
     prompts: Path | None = typer.Option(None, "--prompts", help="Spec-Bench question.jsonl to draw prompts from."),
     spec: bool = typer.Option(False, "--spec", help="Speculative decoding per Spec-Bench category instead of the "
                               "peer suites: speedups single-stream and at 8 concurrent, vs llama.cpp's prompt lookup."),
+    spec_prompts: int | None = typer.Option(None, "--spec-prompts", min=1,
+                                            help="With --spec: prompts per category (default 4; quick: 1)."),
+    spec_methods: str | None = typer.Option(None, "--spec-methods",
+                                            help="With --spec: methods, comma-separated (default: "
+                                                 "prompt_lookup,token_recycling,lookahead,auto)."),
     markdown: Path | None = typer.Option(None, "--markdown",
                                          help="With --spec: write the docs/benchmarks.md section here."),
     parallel: bool = typer.Option(False, "--parallel",
@@ -150,7 +155,8 @@ def bench(
     from loom.config import physical_cores
 
     if spec:
-        _spec_bench(model, threads or physical_cores(), prompts or SPEC_BENCH_PATH, quick, dtype, json_path, markdown)
+        _spec_bench(model, threads or physical_cores(), prompts or SPEC_BENCH_PATH, quick, dtype, json_path, markdown,
+                    spec_prompts, spec_methods)
         return
     settings = BenchSettings.preset(quick).replace(
         concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
@@ -177,12 +183,21 @@ def bench(
 
 
 def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
-                markdown: Path | None) -> None:
-    from loom.bench.spec_bench import SpecBenchSettings, run_spec_bench, spec_lines
+                markdown: Path | None, per_category: int | None, methods: str | None) -> None:
+    from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines
+    from loom.bench.settings import BenchError
 
     settings = SpecBenchSettings.preset(quick)
     if dtype:
         settings = dataclasses.replace(settings, dtype=dtype)
+    if per_category:
+        settings = dataclasses.replace(settings, prompts_per_category=per_category)
+    if methods:
+        chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+        unknown = [m for m in chosen if m not in METHODS + ("draft_model",)]
+        if unknown or not chosen:
+            raise BenchError(f"--spec-methods: unknown method(s) {', '.join(unknown) or '(none given)'}")
+        settings = dataclasses.replace(settings, methods=chosen)
     report = run_spec_bench(model, threads, prompts, settings, log=lambda m: err.print(escape(m)))
     text = "\n".join(spec_lines(report))
     out.print(escape(text))
