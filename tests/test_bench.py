@@ -279,3 +279,22 @@ def test_quality_prompts_chat_or_few_shot(tiny_llama_path: Path, tiny_gemma3_pat
     assert kind == f"{FEW_SHOTS}-shot" and stop == ["Question:"]
     assert text.count("Question:") == FEW_SHOTS + 1 and text.count("####") == FEW_SHOTS
     assert text.endswith("Answer:") and problems[0]["question"] in text and "<<" not in text
+
+
+def test_spec_bench_quick_reports_every_category(tiny_llama_path: Path, prompts_file: Path, tmp_path: Path) -> None:
+    md, out = tmp_path / "spec.md", tmp_path / "spec.json"
+    result = CliRunner().invoke(app, ["bench", "--spec", "--quick", "--model", str(tiny_llama_path), "--threads", "1",
+                                      "--prompts", str(prompts_file), "--spec-methods", "prompt_lookup",
+                                      "--json", str(out), "--markdown", str(md)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["categories"]) == set(CATEGORIES)
+    for row in report["categories"].values():
+        assert row["prompt_lookup"]["single"]["tok_s"] > 0
+    text = md.read_text()
+    assert "### `prompt_lookup`" in text and all(f"| {c} |" in text for c in CATEGORIES)
+
+
+def test_spec_bench_rejects_unknown_methods(tiny_llama_path: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "--spec", "--model", str(tiny_llama_path), "--spec-methods", "psychic"])
+    assert result.exit_code == 1 and "psychic" in result.output
