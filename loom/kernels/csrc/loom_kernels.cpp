@@ -144,7 +144,7 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pr
   qa.s.resize(M * G);
   at::parallel_for(0, M, M < 16 ? M : 4, [&](int64_t m0, int64_t m1) {
     thread_local std::vector<float> tmp;
-    tmp.resize(2 * K);
+    tmp.resize(K);
     for (int64_t m = m0; m < m1; ++m)
       quantize_row(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + m * K,
                    qa.d.data() + m * G, qa.s.data() + m * G);
