@@ -59,9 +59,11 @@ def test_types_without_exact_codes_requantize_finely():
 
 def _quantized_acts(x: torch.Tensor) -> torch.Tensor:
     """x with each 32-group rounded to int8 steps of max|x| / 127 (the kernel's activations)."""
-    g = x.view(x.shape[0], -1, 32)
+    # same float32 steps as the kernel: d = amax / 127, q = round_half_even(x * (1 / d))
+    g = x.float().view(x.shape[0], -1, 32)
     d = g.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).view_as(x)
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(g * inv).double() * d.double()).view_as(x)
 
 
 def _reference(codes: QuantCodes, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ def test_qgemm_matches_reference(bits, fp16_scales):
         codes = _random_codes(n, k, bits, seed=n + m, fp16_scales=fp16_scales)
         p = pack_codes(codes)
         assert p.scales16 == fp16_scales
-        x = torch.randn(m, k)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 * m + k))
         y = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False)
         ref = _reference(codes, x)
         assert y.shape == (m, n)
@@ -100,6 +102,7 @@ def test_qgemm_matches_reference(bits, fp16_scales):
 def test_qgemm_fused_pre_ops_and_residual():
     codes = _random_codes(96, 64, 4, seed=1, fp16_scales=True)
     lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
+    torch.manual_seed(0)
     x, gu, h = torch.randn(5, 64), torch.randn(5, 128), torch.randn(5, 96)
     norm = torch.rand(64) + 0.5
     cases = [
@@ -109,7 +112,11 @@ def test_qgemm_fused_pre_ops_and_residual():
     ]
     for inp, pre, w, pre_ref in cases:
         y = lin(inp, pre, w, 1e-6)
-        torch.testing.assert_close(y.double(), _reference(codes, pre_ref), rtol=1e-4, atol=1e-3)
+        # the fused pre-op may differ from torch's in the last bit, which can move one activation by
+        # one int8 step: allow that much (a * 15 * step), far below any real error
+        step = float(pre_ref.abs().max()) / 127
+        atol = 1e-3 + float(codes.a.max()) * 15 * step
+        torch.testing.assert_close(y.double(), _reference(codes, pre_ref), rtol=1e-4, atol=atol)
     out = h.clone()
     lin(x, out=out, accumulate=True)
     torch.testing.assert_close(out, h + lin(x), rtol=0, atol=1e-5)
@@ -119,7 +126,7 @@ def test_qgemm_fused_pre_ops_and_residual():
 def test_qgemm_rows_do_not_depend_on_the_batch():
     codes = _random_codes(300, 192, 4, seed=7, fp16_scales=True)
     lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
-    x = torch.randn(37, 192)
+    x = torch.randn(37, 192, generator=torch.Generator().manual_seed(3))
     whole = lin(x)
     for rows in ([0], [5, 6, 7], list(range(9, 20)), [36]):
         assert torch.equal(lin(x[rows]), whole[rows])
