@@ -27,6 +27,7 @@ from loom.model.layers.linear import PRE_GEGLU, PRE_NONE, PRE_RMSNORM, PRE_SWIGL
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.quant import QuantCodes, exact_codes, pack_codes
 from loom.model.weights import LinearWeight
+from loom.spec.tree import tree_attention_mask
 
 # Only a CPU without the instructions excuses a kernel test; on one that has them, a failed
 # build fails these tests (kernels.load() returns None) instead of skipping them.
@@ -176,6 +177,48 @@ def test_rope_store_and_decode_attention_match_torch(window, cache_dtype, D):
     out = paged_attention(qk[:, :H], qk[:, H:H + Hkv], qk[:, H + Hkv:], kc, vc, meta, 0.2, window,
                           stored=True, kern=kern)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
+    """Decodes, a causal chunk, a draft tree and a long prefill in one batch: the row kernel
+    (plus SDPA for the long one) computes what the torch path computes."""
+    kern = kernels.load()
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = 6, 2, 64
+    # (new tokens, context incl. them, tree parents or None)
+    shapes = [(1, 17, None), (5, 30, None), (6, 26, (-1, 0, 0, 1, 3)), (1, 1, None), (45, 60, None),
+              (3, 3, None)]   # the tree: one committed token, then 5 nodes
+    kv_slots, masks, query_lens, ctx_lens = [], [], [], []
+    for i, (n, c, parents) in enumerate(shapes):
+        kv_slots.append(torch.randperm(80, generator=g)[:c] + 80 * i)
+        query_lens.append(n)
+        ctx_lens.append(c)
+        masks.append(tree_attention_mask(1, parents) if parents else None)
+    slot_mapping = torch.cat([s[-n:] for s, n in zip(kv_slots, query_lens)])
+    meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots, masks)
+    T = sum(query_lens)
+    kc = torch.randn(80 * len(shapes), Hkv, D, generator=g).to(cache_dtype)
+    vc = torch.randn(80 * len(shapes), Hkv, D, generator=g).to(cache_dtype)
+    q = torch.randn(T, H, D, generator=g)
+    k, v = kc[slot_mapping].float(), vc[slot_mapping].float()
+    ref = paged_attention(q, k, v, kc, vc, AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots,
+                                                                  masks), 0.125, window, stored=True)
+    rows = meta.kernel_rows()
+    assert rows.rest == [4]                      # the 45-token chunk stays on SDPA
+    out = paged_attention(q, k, v, kc, vc, meta, 0.125, window, stored=True, kern=kern)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # every sequence through rows: the kernel reads q straight from the batch
+    small = [0, 1, 2, 3, 5]
+    sub = AttentionMetadata.build(torch.cat([slot_mapping[meta.query_starts[s]:meta.query_starts[s] + query_lens[s]]
+                                             for s in small]), [query_lens[s] for s in small],
+                                  [ctx_lens[s] for s in small], [kv_slots[s] for s in small], [masks[s] for s in small])
+    idx = torch.cat([torch.arange(meta.query_starts[s], meta.query_starts[s] + query_lens[s]) for s in small])
+    assert sub.kernel_rows().tokens is None and not sub.kernel_rows().rest
+    out_sub = paged_attention(q[idx], k[idx], v[idx], kc, vc, sub, 0.125, window, stored=True, kern=kern)
+    torch.testing.assert_close(out_sub, ref.view(T, -1)[idx], rtol=1e-4, atol=1e-5)
 
 
 @needs_kernels

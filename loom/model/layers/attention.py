@@ -13,10 +13,19 @@ window W only keys with k > p - W. An optional per-sequence `tree_mask`
 [query_len, query_len] replaces the causal rule among the new tokens (speculative
 trees); keys before the new tokens stay visible.
 
-Two paths, chosen per sequence, that compute the same function:
+Paths, chosen per sequence, that compute the same function:
   * decode: sequences with one new token are batched into one SDPA call over keys
-    gathered into a padded [S, L, Hkv, D] tensor with a validity mask, or, given loom's
-    kernels, one call that reads keys and values straight from their cache slots;
+    gathered into a padded [S, L, Hkv, D] tensor with a validity mask;
+  * rows (loom's kernels): every new token of a sequence with at most ROW_QUERY_MAX of
+    them (decodes, speculative chains and trees, short chunks) becomes one row of a
+    single kernel call that reads keys and values straight from their cache slots. A
+    row's key list is the sequence's earlier context plus the new tokens it may see, in
+    position order (for a tree node: its ancestors), so causality, tree masks and the
+    sliding window all reduce to "the last keys of the row's list":
+
+        context slots  c0 c1 c2 | n0 n1 n2 n3     tree parents [-1, 0, 0, 2]
+        row n3         c0 c1 c2   n0    n2 n3     (3 + depth 3 keys)
+
   * prefill: every other sequence gets its own SDPA call (plain causal when it has no
     earlier context, no window and no tree mask).
 """
@@ -27,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+ROW_QUERY_MAX = 32   # sequences with at most this many new tokens go through the row kernel
 
 
 @dataclass
@@ -39,7 +50,7 @@ class AttentionMetadata:
     query_starts: list[int]             # per sequence: offset of its first new token in the batch
     kv_slots: list[torch.Tensor]        # per sequence: [context_len] slot of every context position
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per sequence or empty
-    # decode group (query_len == 1, no tree mask), precomputed by `finalize`
+    # decode group of the torch path (query_len == 1, no tree mask), built by `_decode_group`
     decode_seqs: list[int] = field(default_factory=list)
     decode_tokens: torch.Tensor | None = None   # [Sd] token index in the batch
     decode_slots: torch.Tensor | None = None    # [Sd, Lmax] padded slots
@@ -47,6 +58,7 @@ class AttentionMetadata:
     decode_ctx: torch.Tensor | None = None      # [Sd, 1] context lengths
     prefill_seqs: list[int] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
+    _rows: "KernelRows | None" = None
 
     @classmethod
     def build(cls, slot_mapping, query_lens, context_lens, kv_slots, tree_masks=None) -> "AttentionMetadata":
@@ -58,16 +70,26 @@ class AttentionMetadata:
                    list(tree_masks) if tree_masks else [None] * len(query_lens))
         for s, q in enumerate(query_lens):
             (meta.decode_seqs if q == 1 and meta.tree_masks[s] is None else meta.prefill_seqs).append(s)
-        if meta.decode_seqs:
-            lmax = max(context_lens[s] for s in meta.decode_seqs)
-            slots = torch.zeros(len(meta.decode_seqs), lmax, dtype=torch.int64)
-            for row, s in enumerate(meta.decode_seqs):
-                slots[row, :context_lens[s]] = kv_slots[s]
-            meta.decode_slots = slots
-            meta.decode_tokens = torch.tensor([starts[s] for s in meta.decode_seqs], dtype=torch.int64)
-            meta.decode_key_pos = torch.arange(lmax).unsqueeze(0)
-            meta.decode_ctx = torch.tensor([[context_lens[s]] for s in meta.decode_seqs], dtype=torch.int64)
         return meta
+
+    def _decode_group(self) -> None:
+        """The padded tensors of the torch decode path (built on first use)."""
+        if self.decode_slots is not None or not self.decode_seqs:
+            return
+        lmax = max(self.context_lens[s] for s in self.decode_seqs)
+        slots = torch.zeros(len(self.decode_seqs), lmax, dtype=torch.int64)
+        for row, s in enumerate(self.decode_seqs):
+            slots[row, :self.context_lens[s]] = self.kv_slots[s]
+        self.decode_slots = slots
+        self.decode_tokens = torch.tensor([self.query_starts[s] for s in self.decode_seqs], dtype=torch.int64)
+        self.decode_key_pos = torch.arange(lmax).unsqueeze(0)
+        self.decode_ctx = torch.tensor([[self.context_lens[s]] for s in self.decode_seqs], dtype=torch.int64)
+
+    def kernel_rows(self) -> "KernelRows":
+        """The row layout of the kernel path (built on first use, shared by every layer)."""
+        if self._rows is None:
+            self._rows = KernelRows.build(self)
+        return self._rows
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """[Sd, 1, 1, Lmax] bool: key is a real context position (and inside the window)."""
@@ -77,6 +99,48 @@ class AttentionMetadata:
                 m &= self.decode_key_pos > self.decode_ctx - 1 - window
             self._masks[window] = m[:, None, None, :]
         return self._masks[window]
+
+
+@dataclass
+class KernelRows:
+    """Rows for loom's attention kernel: row r is one new token (batch index tokens[r],
+    or r itself when `tokens` is None) with the key slots slots[r, :ctx[r]]."""
+
+    tokens: torch.Tensor | None
+    slots: torch.Tensor        # [R, Lmax] int64
+    ctx: torch.Tensor          # [R] int64
+    rest: list[int]            # sequences left to the prefill path
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "KernelRows":
+        seqs, rest = [], []
+        for s, n in enumerate(meta.query_lens):
+            (seqs if n <= ROW_QUERY_MAX or meta.tree_masks[s] is not None and n <= 2 * ROW_QUERY_MAX
+             else rest).append(s)
+        if not seqs:
+            return cls(None, torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), rest)
+        rows = sum(meta.query_lens[s] for s in seqs)
+        slots = torch.zeros(rows, max(meta.context_lens[s] for s in seqs), dtype=torch.int64)
+        ctx, tokens, r = [], [], 0
+        for s in seqs:
+            n, c, base = meta.query_lens[s], meta.context_lens[s], meta.kv_slots[s]
+            p = c - n                          # context before the new tokens
+            if n == 1:
+                slots[r, :c] = base
+                ctx.append(torch.tensor([c]))
+            else:
+                slots[r:r + n, :c] = base      # causal: row j reads the first p + j + 1 slots
+                mask = meta.tree_masks[s]
+                if mask is None:
+                    ctx.append(torch.arange(p + 1, c + 1))
+                else:                          # row j: its visible new tokens, in order
+                    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+                    slots[r:r + n, p:c] = base[p:][order]
+                    ctx.append(p + mask.sum(dim=1))
+            tokens.append(torch.arange(meta.query_starts[s], meta.query_starts[s] + n))
+            r += n
+        every = len(seqs) == len(meta.query_lens)
+        return cls(None if every else torch.cat(tokens), slots, torch.cat(ctx).to(torch.int64), rest)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -94,15 +158,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     T, H, D = q.shape
+    if kern is not None:
+        rows = meta.kernel_rows()
+        out = None if not rows.rest else torch.empty(T, H, D, dtype=q.dtype)
+        if rows.ctx.numel():
+            qr = q.flatten(1) if rows.tokens is None else q[rows.tokens].flatten(1)    # [R, H*D]
+            od = kern.attn_decode(qr.contiguous(), k_cache, v_cache, rows.slots, rows.ctx,
+                                  H, k_cache.shape[1], scale, window or 0)
+            if out is None:
+                return od
+            out[rows.tokens] = od.view(-1, H, D)
+        _prefill_seqs(out, q, k, v, k_cache, v_cache, meta, rows.rest, scale, window)
+        return out.reshape(T, H * D)
     out = None if not meta.prefill_seqs else torch.empty(T, H, D, dtype=q.dtype)
-    if meta.decode_seqs and kern is not None:
-        qd = q.flatten(1) if out is None else q[meta.decode_tokens].flatten(1)     # [Sd, H*D]
-        od = kern.attn_decode(qd, k_cache, v_cache, meta.decode_slots, meta.decode_ctx,
-                              H, k_cache.shape[1], scale, window or 0)
-        if out is None:
-            return od
-        out[meta.decode_tokens] = od.view(-1, H, D)
-    elif meta.decode_seqs:
+    meta._decode_group()
+    if meta.decode_seqs:
         qd = (q if out is None else q[meta.decode_tokens]).unsqueeze(2)   # [Sd, H, 1, D]
         kd = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)        # [Sd, Hkv, L, D]
         vd = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
@@ -111,20 +181,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if out is None:
             return od.reshape(T, H * D)
         out[meta.decode_tokens] = od.squeeze(2)
-    for s in meta.prefill_seqs:
+    _prefill_seqs(out, q, k, v, k_cache, v_cache, meta, meta.prefill_seqs, scale, window)
+    return out.reshape(T, H * D)
+
+
+def _prefill_seqs(out, q, k, v, k_cache, v_cache, meta, seqs, scale, window) -> None:
+    for s in seqs:
         start, n, ctx = meta.query_starts[s], meta.query_lens[s], meta.context_lens[s]
         out[start:start + n] = _prefill_one(q[start:start + n], k[start:start + n], v[start:start + n],
                                             k_cache, v_cache, meta.kv_slots[s], ctx,
                                             meta.tree_masks[s], scale, window)
-    return out.reshape(T, H * D)
 
 
 def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, window: int | None, kern) -> torch.Tensor:
     """Attention on loom's kernels, for a fused [T, (H + 2 Hkv) * D] projection whose q/k are
     already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
-    if not meta.prefill_seqs:   # all decode: the kernel reads q straight from the qkv rows
-        return kern.attn_decode(qkv, k_cache, v_cache, meta.decode_slots, meta.decode_ctx,
+    rows = meta.kernel_rows()
+    if not rows.rest:   # every token is a row: the kernel reads q straight from the qkv rows
+        return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx,
                                 num_heads, k_cache.shape[1], scale, window or 0)
     H, Hkv, D = num_heads, k_cache.shape[1], k_cache.shape[2]
     heads = qkv.view(qkv.shape[0], -1, D)
