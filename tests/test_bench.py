@@ -290,7 +290,9 @@ def test_spec_bench_quick_reports_every_category(tiny_llama_path: Path, prompts_
     report = json.loads(out.read_text())
     assert set(report["categories"]) == set(CATEGORIES)
     for row in report["categories"].values():
-        assert row["prompt_lookup"]["single"]["tok_s"] > 0
+        single = row["prompt_lookup"]["single"]
+        assert single["tok_s"] > 0 and single["decode_tok_s"] > 0
+        assert single["decode_tokens"] == single["tokens"] - row["prompts"]   # the first tokens are not decode
     text = md.read_text()
     assert "### `prompt_lookup`" in text and all(f"| {c} |" in text for c in CATEGORIES)
 

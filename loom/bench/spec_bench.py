@@ -57,24 +57,41 @@ def _prompts(path: Path, tok, s: SpecBenchSettings) -> dict[str, list[list[int]]
 
 
 def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> dict[str, float]:
-    """Output tokens, seconds and engine steps of the prompts, alone one by one or all at once."""
+    """Output tokens, seconds and engine steps of the prompts, alone one by one or all at once.
+
+    `tok_s` is end to end (prompt prefill included); `decode_tok_s` counts the tokens after
+    each group's first ones over the time from the step where every request of the group had
+    its first token to the end: the part of generation speculation can speed up."""
     from loom.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     groups = [prompts] if concurrent else [[p] for p in prompts]
-    tokens = steps = 0
-    seconds = 0.0
+    tokens = steps = decode_tokens = 0
+    seconds = decode_seconds = 0.0
     for group in groups:
-        for p in group:
-            engine.add_request({"prompt_token_ids": p}, params)
+        ids = [engine.add_request({"prompt_token_ids": p}, params) for p in group]
+        started: set[str] = set()
         t0 = time.perf_counter()
+        t_decode = None
+        group_tokens = 0
         while engine.has_unfinished_requests():
             for o in engine.step():
+                if o.outputs and o.outputs[0].token_ids:
+                    started.add(o.request_id)
                 if o.finished:
-                    tokens += len(o.outputs[0].token_ids)
+                    group_tokens += len(o.outputs[0].token_ids)
             steps += 1
-        seconds += time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "steps": steps}
+            if t_decode is None and len(started) == len(ids):
+                t_decode = time.perf_counter()
+        end = time.perf_counter()
+        tokens += group_tokens
+        seconds += end - t0
+        if t_decode is not None:
+            decode_tokens += group_tokens - len(ids)
+            decode_seconds += end - t_decode
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "steps": steps,
+            "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
+            "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else 0.0}
 
 
 def _llamacpp_run(path: Path, threads: int, prompts: list[list[int]], max_tokens: int,
@@ -87,14 +104,22 @@ def _llamacpp_run(path: Path, threads: int, prompts: list[list[int]], max_tokens
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
     llm = Llama(str(path), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False, draft_model=draft,
                 logits_all=lookup)
-    tokens, seconds = 0, 0.0
+    tokens, seconds, decode_seconds = 0, 0.0, 0.0
     for p in prompts:
         llm.reset()
         t0 = time.perf_counter()
-        out = llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, top_k=1)
-        seconds += time.perf_counter() - t0
-        tokens += out["usage"]["completion_tokens"]
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+        t_first = None
+        for _ in llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, top_k=1, stream=True):
+            tokens += 1    # one token per chunk
+            if t_first is None:
+                t_first = time.perf_counter()
+        end = time.perf_counter()
+        seconds += end - t0
+        decode_seconds += end - (t_first or end)
+    decode_tokens = tokens - len(prompts)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "decode_tokens": decode_tokens,
+            "decode_seconds": decode_seconds,
+            "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else 0.0}
 
 
 def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecBenchSettings,
@@ -141,12 +166,15 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
     return {"model": path.name, "threads": threads, "settings": settings.__dict__, "categories": rows}
 
 
-def _speedups(row: dict[str, Any], method: str) -> tuple[float, float, float | None]:
+def _speedups(row: dict[str, Any], method: str) -> dict[str, float | None]:
+    """Decode-phase speedups (single stream, concurrent), end-to-end single-stream speedup, and the
+    single-stream decode speed over llama.cpp's prompt lookup."""
     m, base = row[method], row["loom"]
-    single = m["single"]["tok_s"] / base["single"]["tok_s"]
-    conc = m["concurrent"]["tok_s"] / base["concurrent"]["tok_s"]
     lcpp = row.get("llama.cpp+lookup")
-    return single, conc, (m["single"]["tok_s"] / lcpp["single"]["tok_s"] if lcpp else None)
+    return {"single": m["single"]["decode_tok_s"] / base["single"]["decode_tok_s"],
+            "concurrent": m["concurrent"]["decode_tok_s"] / base["concurrent"]["decode_tok_s"],
+            "single_e2e": m["single"]["tok_s"] / base["single"]["tok_s"],
+            "llama.cpp": m["single"]["decode_tok_s"] / lcpp["single"]["decode_tok_s"] if lcpp else None}
 
 
 def spec_lines(report: dict[str, Any]) -> list[str]:
@@ -154,16 +182,20 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
     s = report["settings"]
     lines = [f"## Speculative decoding ({report['model']}, {report['threads']} threads)", "",
              f"Spec-Bench, {s['prompts_per_category']} chat prompts per category, greedy, {s['max_tokens']} new "
-             f"tokens, dtype {s['dtype']}. Speedup = output tok/s with speculation / without; vs llama.cpp = "
-             f"over llama.cpp with `LlamaPromptLookupDecoding` (single stream).", ""]
+             f"tokens, dtype {s['dtype']}. Speedups are of decode speed (output tokens after the first, over the "
+             f"time after the first; speculation cannot change the prompt's prefill) with speculation over "
+             f"without; e2e = whole requests, prefill included; vs llama.cpp = decode speed over llama.cpp with "
+             f"`LlamaPromptLookupDecoding` (single stream).", ""]
     for method in s["methods"]:
         lines += [f"### `{method}`", "",
-                  "| category | accepted / draft | single tok/s | single speedup | "
+                  "| category | accepted / draft | single decode tok/s | single speedup | single e2e speedup | "
                   f"{CONCURRENCY} concurrent speedup | vs llama.cpp lookup |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for cat, row in report["categories"].items():
-            single, conc, lcpp = _speedups(row, method)
-            lines.append(f"| {cat} | {row[method]['accepted_per_draft']:.2f} | {row[method]['single']['tok_s']:.1f} "
-                         f"| {single:.2f}x | {conc:.2f}x | {'-' if lcpp is None else f'{lcpp:.2f}x'} |")
+            sp = _speedups(row, method)
+            lc = sp["llama.cpp"]
+            lines.append(f"| {cat} | {row[method]['accepted_per_draft']:.2f} | "
+                         f"{row[method]['single']['decode_tok_s']:.1f} | {sp['single']:.2f}x | "
+                         f"{sp['single_e2e']:.2f}x | {sp['concurrent']:.2f}x | {'-' if lc is None else f'{lc:.2f}x'} |")
         lines.append("")
     return lines

@@ -16,10 +16,11 @@ node first) are taken in order; the step's objective is tokens per second,
 
     (B + expected accepted) / (cost(B, X) + drafting seconds per node * X),
 
-and the prefix of increments that maximises it wins. When drafts do not pay (a large
-batch, low acceptance, a slow drafter) that prefix is empty and the step runs plain
-decoding. A sequence left without drafts is offered a one-node probe every PROBE_EVERY
-steps so that its estimate can recover.
+and the prefix of increments that maximises it wins, if it beats plain decoding by MARGIN
+(estimates are noisy; a wrong guess must not cost). When drafts do not pay (a large batch,
+low acceptance, a slow drafter) that prefix is empty and the step runs plain decoding. A
+sequence left without drafts is offered a one-node probe every PROBE_EVERY x batch steps
+so that its estimate can recover.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ DECAY = 0.8            # weight of the older acceptance evidence per step
 PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0
 PROBE_EVERY = 16
+MARGIN = 0.05          # drafting must promise this much more speed than plain decoding
 COST_EMA = 0.2
 
 
@@ -126,7 +128,8 @@ class SpecController:
             _, i, k, gain, a = heapq.heappop(heap)
             steps.append((i, k, gain))
             self._push(heap, i, k, a, caps[i])
-        best, best_at, tokens, extra = batch / self.cost.cost(batch, 0), 0, float(batch), 0
+        plain = batch / self.cost.cost(batch, 0)
+        best, best_at, tokens, extra = plain * (1 + MARGIN), 0, float(batch), 0
         for n, (i, k, gain) in enumerate(steps, start=1):
             extra += k - sizes[i]
             sizes[i] = k
@@ -137,7 +140,7 @@ class SpecController:
         sizes = [0] * len(req_ids)
         for i, k, _ in steps[:best_at]:
             sizes[i] = k
-        return self._probe(req_ids, sizes, caps)
+        return self._probe(req_ids, sizes, caps, batch)
 
     def _push(self, heap, i: int, k: int, a: float, cap: int) -> None:
         """The next increment of sequence i from k nodes: up to the size where its depth grows."""
@@ -149,10 +152,12 @@ class SpecController:
                 heapq.heappush(heap, (-gain / (k2 - k), i, k2, gain, a))
                 return
 
-    def _probe(self, req_ids: list[str], sizes: list[int], caps: list[int]) -> list[int]:
+    def _probe(self, req_ids: list[str], sizes: list[int], caps: list[int], batch: int) -> list[int]:
+        """A sequence idle for PROBE_EVERY * batch steps drafts one node: probes cost about one
+        sequence's share of a step wherever the batch is, never more than 1/PROBE_EVERY of it."""
         for i, rid in enumerate(req_ids):
             r = self.rates.setdefault(rid, _Rate())
             r.idle = 0 if sizes[i] else r.idle + 1
-            if r.idle >= PROBE_EVERY and caps[i]:
+            if r.idle >= PROBE_EVERY * batch and caps[i]:
                 sizes[i], r.idle = 1, 0
         return sizes

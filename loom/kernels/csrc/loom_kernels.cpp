@@ -334,130 +334,219 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
   });
 }
 
-// Decode attention: sequence i has one query (q[i], H heads) and keys at positions
-// 0 .. ctx[i]-1 stored at cache slots slots[i, :]; with window W only the last W keys.
-// scores p[g * n + l] = scale * <q_g, k_l> for D = 16 NV, 16 positions at a time
-template <typename C, int NV>
-inline void scores_fixed(const float* qh, const C* kc, const int64_t* pos_slots, int64_t Hkv, int64_t kh, int64_t G,
-                         int64_t n, float scale, float* p) {
-  constexpr int64_t D = 16 * NV;
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 q[NV];
-    for (int j = 0; j < NV; ++j) q[j] = _mm512_loadu_ps(qh + g * D + 16 * j);
-    for (int64_t l0 = 0; l0 < n; l0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - l0);
-      __m512 acc[16];
-      for (int r = 0; r < 16; ++r) {
-        acc[r] = _mm512_setzero_ps();
-        if (r < m) {
-          const C* kp = kc + (pos_slots[l0 + r] * Hkv + kh) * D;
-          for (int j = 0; j < NV; ++j) acc[r] = _mm512_fmadd_ps(q[j], load16(kp + 16 * j), acc[r]);
-        }
-      }
-      _mm512_mask_storeu_ps(p + g * n + l0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(reduce16(acc), sv));
+// Attention over the paged cache, one query token per row. Row r has the key slots
+// slots[r, :ctx[r]] (its context in position order); with window W it sees only the last W.
+// Rows come in groups (a sequence's new tokens): the rows of group g agree on their first
+// shared[g] slots, whose keys and values are converted to float once per (group, kv head)
+// and used by every query head of every row in the group; each row's keys past the shared
+// part (its own draft or chunk tokens, a few) are handled one by one.
+//
+//   scores   p[i, :] for query i = (row, head): shared keys [lo, P) then the row's tail keys
+//   softmax  over the row's visible keys (window), zero elsewhere
+//   output   sum over keys of p * v, the shared part 16 keys at a time from a float buffer
+
+template <typename C>
+inline void to_float(const C* src, float* dst, int64_t D) {
+  for (int64_t j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, load16(src + j));
+}
+
+// 16 scores <q, k_r> for the keys in buf (rows of D floats); NV = D / 16 when fixed, else 0
+template <int NV, bool FULL>
+inline __m512 qk16(const float* qh, const float* buf, int64_t Drt, int64_t mm) {
+  const int64_t D = NV > 0 ? 16 * NV : Drt, nv = D / 16;
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nv; ++j) {
+    const __m512 qj = _mm512_loadu_ps(qh + 16 * j);
+    for (int r = 0; r < 16; ++r)
+      if (FULL || r < mm) acc[r] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(buf + r * D + 16 * j), acc[r]);
+  }
+  return reduce16(acc);
+}
+
+// out[t] += sum_r w[t][r] * buf[r] for QT queries (weights p + t * stride), mm value rows
+template <int NV, int QT>
+inline void pv_tile(float* const* out, const float* p, int64_t stride, const float* buf, int64_t mm) {
+  __m512 acc[QT][NV];
+  for (int t = 0; t < QT; ++t)
+    for (int j = 0; j < NV; ++j) acc[t][j] = _mm512_loadu_ps(out[t] + 16 * j);
+  for (int64_t r = 0; r < mm; ++r) {
+    const float* vr = buf + r * NV * 16;
+    for (int t = 0; t < QT; ++t) {
+      const __m512 w = _mm512_set1_ps(p[t * stride + r]);
+      for (int j = 0; j < NV; ++j) acc[t][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * j), acc[t][j]);
     }
   }
+  for (int t = 0; t < QT; ++t)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out[t] + 16 * j, acc[t][j]);
 }
 
 template <typename C, int NV>
-void attn_decode_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int64_t* sl, int64_t lds,
-                      const int64_t* cl, int64_t S, int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window,
-                      float* ob) {
-  const int64_t G = H / Hkv;
-  int64_t longest = 0;
-  for (int64_t i = 0; i < S; ++i) longest = std::max(longest, cl[i]);
-  const int64_t work_per_item = G * D * std::max<int64_t>(1, window > 0 ? std::min(longest, window) : longest);
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / work_per_item);  // small batches stay on one thread
-  at::parallel_for(0, S * Hkv, grain, [&](int64_t w0, int64_t w1) {
-    thread_local std::vector<float> p;
+void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int64_t* sl, int64_t lds,
+               const int64_t* cl, const int64_t* gs, const int64_t* sh, int64_t NG, int64_t H, int64_t Hkv,
+               int64_t Drt, float scale, int64_t window, float* ob) {
+  const int64_t G = H / Hkv, D = NV > 0 ? 16 * NV : Drt;
+  int64_t work_total = 0;
+  for (int64_t g = 0; g < NG; ++g) {
+    const int64_t L = sh[g] + 1;
+    work_total += (gs[g + 1] - gs[g]) * G * D * (window > 0 ? std::min(L, window) : L);
+  }
+  const int64_t per_item = std::max<int64_t>(1, work_total / std::max<int64_t>(1, NG * Hkv));
+  const int64_t grain = std::max<int64_t>(1, (1 << 17) / per_item);  // small batches stay on one thread
+  at::parallel_for(0, NG * Hkv, grain, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> p, buf;
+    thread_local std::vector<int64_t> first;
+    thread_local std::vector<const float*> qps;
+    thread_local std::vector<float*> ops;
+    buf.resize(16 * D);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t work = w0; work < w1; ++work) {
-      const int64_t i = work / Hkv, kh = work % Hkv, L = cl[i];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - first;
-      p.resize(G * n);
-      const float* qh = qb + i * ldq + kh * G * D;
-      const int64_t* pos_slots = sl + i * lds + first;
-      if constexpr (NV > 0) {
-        scores_fixed<C, NV>(qh, kc, pos_slots, Hkv, kh, G, n, scale, p.data());
-      } else {
-        for (int64_t l = 0; l < n; ++l) {
-          const C* kp = kc + (pos_slots[l] * Hkv + kh) * D;
-          for (int64_t g = 0; g < G; ++g) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t j = 0; j < D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + j), load16(kp + j), acc);
-            p[g * n + l] = hsum(acc) * scale;
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* pg = p.data() + g * n;
-        float mx = -INFINITY;
-        for (int64_t l = 0; l < n; ++l) mx = std::max(mx, pg[l]);
-        __m512 mv = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
-        int64_t l = 0;
-        for (; l + 16 <= n; l += 16) {
-          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(pg + l), mv));
-          _mm512_storeu_ps(pg + l, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        if (l < n) {
-          __mmask16 mk = (__mmask16)((1u << (n - l)) - 1);
-          __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pg + l), mv)));
-          _mm512_mask_storeu_ps(pg + l, mk, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const float inv = 1.0f / hsum(sum);
-        for (int64_t j = 0; j < n; ++j) pg[j] *= inv;
-      }
-      float* oh = ob + i * H * D + kh * G * D;
-      if constexpr (NV > 0) {
+      const int64_t grp = work / Hkv, kh = work % Hkv, r0 = gs[grp], nr = gs[grp + 1] - r0, m = nr * G;
+      const int64_t P = sh[grp];
+      first.resize(nr);
+      qps.resize(m);
+      ops.resize(m);
+      int64_t lo = P, maxtail = 0;
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t L = cl[r0 + r];
+        first[r] = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+        lo = std::min(lo, first[r]);
+        maxtail = std::max(maxtail, L - P);
         for (int64_t g = 0; g < G; ++g) {
-          __m512 acc[NV];
-          for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
-          const float* pg = p.data() + g * n;
-          for (int64_t l = 0; l < n; ++l) {
-            const C* vp = vc + (pos_slots[l] * Hkv + kh) * D;
-            const __m512 w = _mm512_set1_ps(pg[l]);
-            for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(w, load16(vp + 16 * j), acc[j]);
-          }
-          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(oh + g * D + 16 * j, acc[j]);
+          qps[r * G + g] = qb + (r0 + r) * ldq + (kh * G + g) * D;
+          ops[r * G + g] = ob + (r0 + r) * H * D + (kh * G + g) * D;
         }
-      } else {
-        std::fill(oh, oh + G * D, 0.0f);
-        for (int64_t l = 0; l < n; ++l) {
-          const C* vp = vc + (pos_slots[l] * Hkv + kh) * D;
-          for (int64_t j = 0; j < D; j += 16) {
-            const __m512 v = load16(vp + j);
-            for (int64_t g = 0; g < G; ++g)
-              _mm512_storeu_ps(oh + g * D + j, _mm512_fmadd_ps(_mm512_set1_ps(p[g * n + l]), v, _mm512_loadu_ps(oh + g * D + j)));
+      }
+      const int64_t Ls = P - lo, stride = Ls + maxtail;
+      p.resize(m * stride);
+      float* pd = p.data();
+      const int64_t* shared_slots = sl + r0 * lds + lo;
+      const __m512 sv = _mm512_set1_ps(scale);
+      // scores over the shared keys, 16 at a time
+      for (int64_t l0 = 0; l0 < Ls; l0 += 16) {
+        const int64_t mm = std::min<int64_t>(16, Ls - l0);
+        for (int64_t r = 0; r < mm; ++r) to_float(kc + (shared_slots[l0 + r] * Hkv + kh) * D, buf.data() + r * D, D);
+        const __mmask16 mk = (__mmask16)((1u << mm) - 1);
+        for (int64_t i = 0; i < m; ++i) {
+          const __m512 sc = mm == 16 ? qk16<NV, true>(qps[i], buf.data(), D, 16) : qk16<NV, false>(qps[i], buf.data(), D, mm);
+          _mm512_mask_storeu_ps(pd + i * stride + l0, mk, _mm512_mul_ps(sc, sv));
+        }
+      }
+      // each row's own keys past the shared part; softmax over the visible keys
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t r = i / G, row = r0 + r, L = cl[row];
+        const float* qh = qps[i];
+        float* pi = pd + i * stride;
+        for (int64_t t = std::max<int64_t>(P, first[r]); t < L; ++t) {
+          const C* kp = kc + (sl[row * lds + t] * Hkv + kh) * D;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t j = 0; j < D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), load16(kp + j), acc);
+          pi[Ls + t - P] = hsum(acc) * scale;
+        }
+        // visible: [a0, a1) of the shared part, [b0, b1) of the tail
+        const __m512i a0 = _mm512_set1_epi32((int)(std::min(first[r], P) - lo)), a1 = _mm512_set1_epi32((int)Ls);
+        const __m512i b0 = _mm512_set1_epi32((int)(Ls + std::max<int64_t>(0, first[r] - P)));
+        const __m512i b1 = _mm512_set1_epi32((int)(Ls + L - P));
+        auto visible = [&](int64_t l) -> __mmask16 {
+          const __m512i x = _mm512_add_epi32(iota, _mm512_set1_epi32((int)l));
+          const __mmask16 n = (__mmask16)((1u << std::min<int64_t>(16, stride - l)) - 1);
+          return n & ((_mm512_cmpge_epi32_mask(x, a0) & _mm512_cmplt_epi32_mask(x, a1)) |
+                      (_mm512_cmpge_epi32_mask(x, b0) & _mm512_cmplt_epi32_mask(x, b1)));
+        };
+        __m512 mxv = _mm512_set1_ps(-INFINITY);
+        for (int64_t l = 0; l < stride; l += 16) mxv = _mm512_mask_max_ps(mxv, visible(l), mxv, _mm512_loadu_ps(pi + l));
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mxv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t l = 0; l < stride; l += 16) {   // exp over the visible keys, 0 elsewhere
+          const __mmask16 all = (__mmask16)((1u << std::min<int64_t>(16, stride - l)) - 1), mk = visible(l);
+          const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pi + l), mv)));
+          _mm512_mask_storeu_ps(pi + l, all, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / hsum(sum));
+        for (int64_t l = 0; l < stride; l += 16) {
+          const __mmask16 mk = (__mmask16)((1u << std::min<int64_t>(16, stride - l)) - 1);
+          _mm512_mask_storeu_ps(pi + l, mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, pi + l), inv));
+        }
+        std::fill(ops[i], ops[i] + D, 0.0f);
+      }
+      // values of the shared keys, 16 at a time, into every query's output
+      for (int64_t l0 = 0; l0 < Ls; l0 += 16) {
+        const int64_t mm = std::min<int64_t>(16, Ls - l0);
+        for (int64_t r = 0; r < mm; ++r) to_float(vc + (shared_slots[l0 + r] * Hkv + kh) * D, buf.data() + r * D, D);
+        if constexpr (NV > 0) {
+          constexpr int QT = NV >= 16 ? 1 : 16 / NV;   // queries per register tile
+          int64_t i0 = 0;
+          for (; i0 + QT <= m; i0 += QT) pv_tile<NV, QT>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), mm);
+          for (; i0 < m; ++i0) pv_tile<NV, 1>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), mm);
+        } else {
+          for (int64_t i = 0; i < m; ++i) {
+            float* oh = ops[i];
+            for (int64_t r = 0; r < mm; ++r) {
+              const __m512 w = _mm512_set1_ps(pd[i * stride + l0 + r]);
+              for (int64_t j = 0; j < D; j += 16)
+                _mm512_storeu_ps(oh + j, _mm512_fmadd_ps(w, _mm512_loadu_ps(buf.data() + r * D + j), _mm512_loadu_ps(oh + j)));
+            }
           }
+        }
+      }
+      // values of each row's own keys
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t r = i / G, row = r0 + r, L = cl[row];
+        float* oh = ops[i];
+        const float* pi = pd + i * stride;
+        for (int64_t t = std::max<int64_t>(P, first[r]); t < L; ++t) {
+          const C* vp = vc + (sl[row * lds + t] * Hkv + kh) * D;
+          const __m512 w = _mm512_set1_ps(pi[Ls + t - P]);
+          for (int64_t j = 0; j < D; j += 16)
+            _mm512_storeu_ps(oh + j, _mm512_fmadd_ps(w, load16(vp + j), _mm512_loadu_ps(oh + j)));
         }
       }
     }
   });
 }
 
+// q [R, >= H*D] float32 rows; slots [R, Lmax] int64; ctx [R]; groups [NG + 1] row starts and
+// shared [NG] (see above), or both empty: every row its own group sharing its whole context.
 torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                          torch::Tensor ctx, int64_t H, int64_t Hkv, double scale, int64_t window) {
+                          torch::Tensor ctx, int64_t H, int64_t Hkv, double scale, int64_t window,
+                          c10::optional<torch::Tensor> groups, c10::optional<torch::Tensor> shared) {
   check_f32_rows(q, "q");
-  const int64_t S = q.size(0), D = k_cache.size(2);
-  TORCH_CHECK(q.size(1) >= H * D && D % 16 == 0, "q must hold H * D values per row, D a multiple of 16");
+  const int64_t R = q.size(0), D = k_cache.size(2);
+  TORCH_CHECK(q.size(1) >= H * D && D % 16 == 0 && H % Hkv == 0, "q must hold H * D values per row, D a multiple of 16");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "caches must be contiguous and of one dtype");
-  torch::Tensor out = torch::empty({S, H * D}, q.options());
-  const int64_t *sl = slots.data_ptr<int64_t>(), *cl = ctx.data_ptr<int64_t>();
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.size(0) == R && slots.stride(1) == 1,
+              "slots must be an int64 [rows, L] tensor");
+  torch::Tensor cl_t = ctx.contiguous();
+  TORCH_CHECK(cl_t.scalar_type() == torch::kInt64 && cl_t.numel() == R, "ctx must hold one int64 per row");
+  torch::Tensor gs_t, sh_t;
+  if (groups.has_value() && shared.has_value()) {
+    gs_t = groups->contiguous();
+    sh_t = shared->contiguous();
+  } else {
+    gs_t = torch::arange(R + 1, torch::kInt64);
+    sh_t = cl_t;
+  }
+  const int64_t NG = sh_t.numel();
+  TORCH_CHECK(gs_t.numel() == NG + 1 && gs_t.scalar_type() == torch::kInt64 && sh_t.scalar_type() == torch::kInt64,
+              "groups must hold NG + 1 row starts and shared NG lengths");
+  torch::Tensor out = torch::empty({R, H * D}, q.options());
+  if (R == 0) return out;
+  const int64_t *sl = slots.data_ptr<int64_t>(), *cl = cl_t.data_ptr<int64_t>(), *gs = gs_t.data_ptr<int64_t>(),
+                *sh = sh_t.data_ptr<int64_t>();
   const bool half = k_cache.scalar_type() == torch::kHalf;
   TORCH_CHECK(half || k_cache.scalar_type() == torch::kFloat32, "caches must be float32 or float16");
   auto run = [&](auto nv) {
     constexpr int NV = decltype(nv)::value;
     if (half)
-      attn_decode_impl<at::Half, NV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<at::Half>(),
-                                     v_cache.data_ptr<at::Half>(), sl, slots.stride(0), cl, S, H, Hkv, D,
-                                     (float)scale, window, out.data_ptr<float>());
+      attn_impl<at::Half, NV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<at::Half>(),
+                              v_cache.data_ptr<at::Half>(), sl, slots.stride(0), cl, gs, sh, NG, H, Hkv, D,
+                              (float)scale, window, out.data_ptr<float>());
     else
-      attn_decode_impl<float, NV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
-                                  v_cache.data_ptr<float>(), sl, slots.stride(0), cl, S, H, Hkv, D, (float)scale,
-                                  window, out.data_ptr<float>());
+      attn_impl<float, NV>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                           sl, slots.stride(0), cl, gs, sh, NG, H, Hkv, D, (float)scale, window,
+                           out.data_ptr<float>());
   };
   switch (D) {  // register-resident fast paths for the common head sizes, a generic loop otherwise
     case 64: run(std::integral_constant<int, 4>{}); break;
@@ -468,7 +557,6 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   return out;
 }
 
-// h += rmsnorm(y) * w, row by row (Gemma's post-norms before the residual add).
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
   check_f32_rows(h, "h");
   check_f32_rows(y, "y");
@@ -496,6 +584,8 @@ void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "quantized GEMM with fused activation pre-op");
   m.def("rope_store", &rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache");
-  m.def("attn_decode", &attn_decode, "decode attention over the paged KV cache");
+  m.def("attn_decode", &attn_decode, "attention of query rows over the paged KV cache", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("ctx"), py::arg("H"), py::arg("Hkv"),
+        py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none());
   m.def("add_rmsnorm", &add_rmsnorm, "h += rmsnorm(y) * w");
 }

@@ -110,6 +110,8 @@ class KernelRows:
     slots: torch.Tensor        # [R, Lmax] int64
     ctx: torch.Tensor          # [R] int64
     rest: list[int]            # sequences left to the prefill path
+    groups: torch.Tensor | None = None   # [NG + 1] first row of each sequence's rows
+    shared: torch.Tensor | None = None   # [NG] leading slots its rows share (its earlier context)
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "KernelRows":
@@ -121,10 +123,12 @@ class KernelRows:
             return cls(None, torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), rest)
         rows = sum(meta.query_lens[s] for s in seqs)
         slots = torch.zeros(rows, max(meta.context_lens[s] for s in seqs), dtype=torch.int64)
-        ctx, tokens, r = [], [], 0
+        ctx, tokens, starts, shared, r = [], [], [], [], 0
         for s in seqs:
             n, c, base = meta.query_lens[s], meta.context_lens[s], meta.kv_slots[s]
             p = c - n                          # context before the new tokens
+            starts.append(r)
+            shared.append(c if n == 1 else p)
             if n == 1:
                 slots[r, :c] = base
                 ctx.append(torch.tensor([c]))
@@ -140,7 +144,8 @@ class KernelRows:
             tokens.append(torch.arange(meta.query_starts[s], meta.query_starts[s] + n))
             r += n
         every = len(seqs) == len(meta.query_lens)
-        return cls(None if every else torch.cat(tokens), slots, torch.cat(ctx).to(torch.int64), rest)
+        return cls(None if every else torch.cat(tokens), slots, torch.cat(ctx).to(torch.int64), rest,
+                   torch.tensor(starts + [r], dtype=torch.int64), torch.tensor(shared, dtype=torch.int64))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -164,7 +169,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if rows.ctx.numel():
             qr = q.flatten(1) if rows.tokens is None else q[rows.tokens].flatten(1)    # [R, H*D]
             od = kern.attn_decode(qr.contiguous(), k_cache, v_cache, rows.slots, rows.ctx,
-                                  H, k_cache.shape[1], scale, window or 0)
+                                  H, k_cache.shape[1], scale, window or 0, rows.groups, rows.shared)
             if out is None:
                 return od
             out[rows.tokens] = od.view(-1, H, D)
@@ -200,7 +205,7 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     rows = meta.kernel_rows()
     if not rows.rest:   # every token is a row: the kernel reads q straight from the qkv rows
         return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx,
-                                num_heads, k_cache.shape[1], scale, window or 0)
+                                num_heads, k_cache.shape[1], scale, window or 0, rows.groups, rows.shared)
     H, Hkv, D = num_heads, k_cache.shape[1], k_cache.shape[2]
     heads = qkv.view(qkv.shape[0], -1, D)
     return paged_attention(heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], k_cache, v_cache, meta,
