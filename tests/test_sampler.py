@@ -384,3 +384,12 @@ def test_logprobs_are_of_raw_logits():
             assert out.logprobs[i] <= top_lp[0]
     # Probabilities from the logprobs add up over the whole vocabulary.
     torch.testing.assert_close(raw.exp().sum(dim=1), torch.ones(5))
+
+
+def test_draw_by_inversion_edges():
+    from loom.sample.sampler import draw
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
+    for u, want in [(0.0, [1, 2]), (0.2499, [1, 2]), (0.25, [3, 2]), (0.999999, [3, 2]),
+                    (1 - 2 ** -53, [3, 2])]:
+        assert draw(probs, torch.tensor([u, u], dtype=torch.float64)).tolist() == want

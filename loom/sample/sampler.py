@@ -11,14 +11,17 @@ The runner computes logits only for the positions it samples, one row per row of
 4. greedy rows take the argmax of these logits (ties go to the lowest id);
 5. other rows divide by their temperature, then keep the top-k logits (ties with the
    k-th are kept), then the top-p nucleus, then the tokens at least min_p times as
-   probable as the most probable one, and draw with the exponential race
-   ``argmax(probs / E)``, E ~ Exp(1) i.i.d. per vocabulary entry.
+   probable as the most probable one, and draw by inversion: one uniform u per row, the
+   token where the float64 running sum of the probabilities first exceeds u times their
+   total (a zero-probability token is never picked). One random number per row instead of
+   one per vocabulary entry: drawing 49k exponentials cost ~1.3 ms a row, the cumulative
+   sum ~0.1 ms.
 
-Every stage works on whole rows at once, and only on the rows that use it. The race
-noise of a row with its own generator is drawn from that generator alone, one vocabulary
-row per step, and every stage computes each row independently of the others, so a
-seeded request samples the same tokens whatever else is in the batch and wherever its
-row is. Rows without a generator share one draw from the sampler's generator.
+Every stage works on whole rows at once, and only on the rows that use it. The uniform
+of a row with its own generator is drawn from that generator alone, one per step, and
+every stage computes each row independently of the others, so a seeded request samples
+the same tokens whatever else is in the batch and wherever its row is. Rows without a
+generator share one draw from the sampler's generator.
 """
 
 from __future__ import annotations
@@ -31,9 +34,6 @@ import torch
 
 from loom.sampling_params import SamplingParams
 
-# The smallest noise value used: an exact 0 from the exponential draw would divide a
-# zero probability into NaN, which argmax would pick.
-_MIN_NOISE = torch.finfo(torch.float32).tiny
 
 
 def _column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
@@ -259,6 +259,15 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
     probs.masked_fill_(probs < threshold, 0.0)
 
 
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token per row of `probs` [R, V] (non-negative, any positive total) by inversion with the
+    uniforms `u` [R]: the first id whose float64 running sum exceeds u * total."""
+    cdf = probs.to(torch.float64).cumsum_(dim=1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
 def _rows_where(mask: torch.Tensor) -> torch.Tensor | None:
     """Indices of the true rows of `mask`, or None when all are true."""
     return None if bool(mask.all()) else mask.nonzero().squeeze(1)
@@ -343,8 +352,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
         """Draw one token for each row of `logits`, which are the batch's `rows`."""
         probs = self.probs(logits, batch, rows)
-        noise = self._noise(probs.shape, [batch.generators[i] for i in rows.tolist()])
-        return probs.div_(noise).argmax(dim=1)
+        u = self._uniforms([batch.generators[i] for i in rows.tolist()])
+        return draw(probs, u)
 
     @staticmethod
     def probs(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
@@ -368,19 +377,16 @@ class Sampler:
                 _on_rows(probs, _rows_where(on), apply_min_p, min_p)
         return probs
 
-    def _noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exp(1) noise [R, V]: row i from generators[i], or from the shared generator."""
-        noise = torch.empty(shape)
+    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """U[0, 1) float64 [R]: row i from generators[i], or from the shared generator."""
+        u = torch.empty(len(generators), dtype=torch.float64)
         shared = [i for i, g in enumerate(generators) if g is None]
-        if len(shared) == len(generators):
-            noise.exponential_(generator=self.generator)
-        else:
-            for i, g in enumerate(generators):
-                if g is not None:
-                    noise[i].exponential_(generator=g)
-            if shared:
-                noise[shared] = torch.empty(len(shared), shape[1]).exponential_(generator=self.generator)
-        return noise.clamp_min_(_MIN_NOISE)
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
+        return u
 
     @staticmethod
     def _logprobs(lp: torch.Tensor, lp_rows: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
