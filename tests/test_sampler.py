@@ -393,3 +393,28 @@ def test_draw_by_inversion_edges():
     for u, want in [(0.0, [1, 2]), (0.2499, [1, 2]), (0.25, [3, 2]), (0.999999, [3, 2]),
                     (1 - 2 ** -53, [3, 2])]:
         assert draw(probs, torch.tensor([u, u], dtype=torch.float64)).tolist() == want
+
+
+def test_draw_two_levels_matches_a_full_running_sum():
+    from loom.sample import sampler as S
+
+    g = torch.Generator().manual_seed(0)
+    for V in (5, 1024, 3000, 5000):
+        probs = torch.rand(6, V, generator=g) ** 8        # many tiny values
+        probs[:, ::7] = 0.0
+        probs[1] = 0.0
+        probs[1, V - 1] = 1.0                             # all mass on the last id
+        u = torch.rand(6, generator=g, dtype=torch.float64)
+        u[0] = 0.0
+        u[2] = 1 - 2 ** -53
+        cdf = probs.double().cumsum(1)
+        want = torch.searchsorted(cdf, torch.minimum(u.unsqueeze(1) * cdf[:, -1:],
+                                                     torch.nextafter(cdf[:, -1:], torch.zeros(6, 1))),
+                                  right=True).squeeze(1)
+        got = S.draw(probs, u)
+        target = u * cdf[:, -1]
+        for r in range(6):   # block sums round differently: a pick may move only across a rounding gap
+            if got[r] != want[r]:
+                lo, hi = sorted((int(got[r]), int(want[r])))
+                assert abs(float(cdf[r, lo] - target[r])) <= 1e-6 * float(cdf[r, -1]), (V, r)
+        assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
