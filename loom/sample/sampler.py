@@ -12,10 +12,10 @@ The runner computes logits only for the positions it samples, one row per row of
 5. other rows divide by their temperature, then keep the top-k logits (ties with the
    k-th are kept), then the top-p nucleus, then the tokens at least min_p times as
    probable as the most probable one, and draw by inversion: one uniform u per row, the
-   token where the float64 running sum of the probabilities first exceeds u times their
-   total (a zero-probability token is never picked). One random number per row instead of
-   one per vocabulary entry: drawing 49k exponentials cost ~1.3 ms a row, the cumulative
-   sum ~0.1 ms.
+   token where the running sum of the probabilities first exceeds u times their total
+   (block sums first, then the sum inside one block; a zero-probability token is never
+   picked). One random number per row instead of one per vocabulary entry: drawing 49k
+   exponentials cost ~1.3 ms a row.
 
 Every stage works on whole rows at once, and only on the rows that use it. The uniform
 of a row with its own generator is drawn from that generator alone, one per step, and
