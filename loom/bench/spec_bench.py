@@ -61,7 +61,8 @@ def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: boo
 
     `tok_s` is end to end (prompt prefill included); `decode_tok_s` counts the tokens after
     each group's first ones over the time from the step where every request of the group had
-    its first token to the end: the part of generation speculation can speed up."""
+    its first token to the end: the part of generation speculation can speed up (llama.cpp's
+    runs time the first token in a separate one-token call and subtract it)."""
     from loom.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -89,8 +90,12 @@ def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: boo
         if t_decode is not None:
             decode_tokens += group_tokens - len(ids)
             decode_seconds += end - t_decode
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "steps": steps,
-            "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
+    return _speeds(tokens, seconds, decode_tokens, decode_seconds) | {"steps": steps}
+
+
+def _speeds(tokens: int, seconds: float, decode_tokens: int, decode_seconds: float) -> dict[str, float]:
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "decode_tokens": decode_tokens,
+            "decode_seconds": decode_seconds,
             "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else 0.0}
 
 
@@ -104,22 +109,21 @@ def _llamacpp_run(path: Path, threads: int, prompts: list[list[int]], max_tokens
     draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
     llm = Llama(str(path), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False, draft_model=draft,
                 logits_all=lookup)
-    tokens, seconds, decode_seconds = 0, 0.0, 0.0
-    for p in prompts:
+
+    def timed(p: list[int], limit: int) -> tuple[int, float]:
         llm.reset()
         t0 = time.perf_counter()
-        t_first = None
-        for _ in llm.create_completion(p, max_tokens=max_tokens, temperature=0.0, top_k=1, stream=True):
-            tokens += 1    # one token per chunk
-            if t_first is None:
-                t_first = time.perf_counter()
-        end = time.perf_counter()
-        seconds += end - t0
-        decode_seconds += end - (t_first or end)
-    decode_tokens = tokens - len(prompts)
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "decode_tokens": decode_tokens,
-            "decode_seconds": decode_seconds,
-            "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else 0.0}
+        out = llm.create_completion(p, max_tokens=limit, temperature=0.0, top_k=1)
+        return out["usage"]["completion_tokens"], time.perf_counter() - t0
+
+    timed(prompts[0], 1)   # one-time start-up costs, untimed
+    tokens, seconds, first_seconds = 0, 0.0, 0.0
+    for p in prompts:
+        first_seconds += timed(p, 1)[1]   # prefill + the first token, timed on its own
+        n, took = timed(p, max_tokens)
+        tokens += n
+        seconds += took
+    return _speeds(tokens, seconds, max(tokens - len(prompts), 0), max(seconds - first_seconds, 0.0))
 
 
 def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecBenchSettings,

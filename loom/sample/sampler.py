@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from loom.sampling_params import SamplingParams
 
 
-
 def _column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
@@ -267,8 +266,8 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token per row of `probs` [R, V] (non-negative, any positive total) by inversion with the
     uniforms `u` [R]: the first id whose running sum exceeds u * total.
 
-    Two levels, so that only one block per row is summed id by id: float64 block sums -> the
-    block where the running sum crosses the target -> the running sum inside that block."""
+    Two levels, so that only one block per row is summed id by id: block sums -> the block
+    where their running sum crosses the target -> the running sum inside that block."""
     R, V = probs.shape
     nb = -(-V // DRAW_BLOCK)
     p = probs if V == nb * DRAW_BLOCK else F.pad(probs, (0, nb * DRAW_BLOCK - V))

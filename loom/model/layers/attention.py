@@ -117,8 +117,8 @@ class KernelRows:
     def build(cls, meta: AttentionMetadata) -> "KernelRows":
         seqs, rest = [], []
         for s, n in enumerate(meta.query_lens):
-            (seqs if n <= ROW_QUERY_MAX or meta.tree_masks[s] is not None and n <= 2 * ROW_QUERY_MAX
-             else rest).append(s)
+            limit = ROW_QUERY_MAX if meta.tree_masks[s] is None else 2 * ROW_QUERY_MAX   # trees: SDPA needs a mask
+            (seqs if n <= limit else rest).append(s)
         if not seqs:
             return cls(None, torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), rest)
         rows = sum(meta.query_lens[s] for s in seqs)
@@ -128,19 +128,15 @@ class KernelRows:
             n, c, base = meta.query_lens[s], meta.context_lens[s], meta.kv_slots[s]
             p = c - n                          # context before the new tokens
             starts.append(r)
-            shared.append(c if n == 1 else p)
-            if n == 1:
-                slots[r, :c] = base
-                ctx.append(torch.tensor([c]))
-            else:
-                slots[r:r + n, :c] = base      # causal: row j reads the first p + j + 1 slots
-                mask = meta.tree_masks[s]
-                if mask is None:
-                    ctx.append(torch.arange(p + 1, c + 1))
-                else:                          # row j: its visible new tokens, in order
-                    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
-                    slots[r:r + n, p:c] = base[p:][order]
-                    ctx.append(p + mask.sum(dim=1))
+            shared.append(c if n == 1 else p)  # a decode row shares its whole context
+            slots[r:r + n, :c] = base          # causal: row j reads the first p + j + 1 slots
+            mask = meta.tree_masks[s]
+            if mask is None:
+                ctx.append(torch.arange(p + 1, c + 1))
+            else:                              # row j: its visible new tokens, in order
+                order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+                slots[r:r + n, p:c] = base[p:][order]
+                ctx.append(p + mask.sum(dim=1))
             tokens.append(torch.arange(meta.query_starts[s], meta.query_starts[s] + n))
             r += n
         every = len(seqs) == len(meta.query_lens)
