@@ -348,3 +348,27 @@ def test_cost_model_never_estimates_zero_or_below_the_plain_pass():
     for extra in (0, 1, 8, 16, 64):
         assert cost.cost(1, extra) >= 0.010
     assert cost.cost(3, 32) > 0
+
+
+def test_cost_model_keeps_the_calibrated_price_of_drafts_when_its_plain_average_drifts():
+    """A slow moment inflates the learned plain-step cost; a draft then must not look free."""
+    from loom.spec.controller import CostModel
+
+    cost = CostModel()
+    cost.calibrate(8, 0, 0.015)
+    cost.calibrate(8, 8, 0.025)              # a draft token costs 1/12 of the plain step each
+    for _ in range(20):
+        cost.observe(8, 0, 0.022)            # the machine slowed down while decoding plainly
+    cost.observe(8, 1, 0.021)                # one step with a draft, measured at another moment
+    assert cost.cost(8, 1) > cost.cost(8, 0)
+    assert cost.cost(8, 8) >= cost.cost(8, 0) * 0.025 / 0.015 * 0.999
+
+
+def test_controller_counts_the_work_each_drafting_sequence_adds_outside_the_forward_pass():
+    ctl = SpecController(8, depth=lambda k: k)
+    ctl.cost.observe(1, 0, 0.010)
+    ctl.cost.observe(1, 8, 0.012)
+    for _ in range(10):
+        ctl.record("a", 1, 4)                # a modest acceptance rate
+    assert ctl.plan(["a"], 1, [8], 0.0, seq_overhead=0.0)[0] > 0
+    assert ctl.plan(["a"], 1, [8], 0.0, seq_overhead=0.020) == [0]

@@ -5,7 +5,8 @@ batch: B sequences decoding or verifying, carrying X draft tokens in all. It sta
 calibration (timed forward passes of the runner at a few (B, X) points, made before any
 request exists) and keeps learning from every step without prefill chunks (an average per
 observed (B, X)). Between points it interpolates linearly; X = 0 is its own point, since
-an all-decode batch may take a faster path than one with drafts.
+an all-decode batch may take a faster path than one with drafts. The calibration's ratio
+cost(B, X) / cost(B, 0) is a floor under the learned one (see `CostModel`).
 
 Gain. Each sequence has a per-depth acceptance rate `a` (accepted nodes / tried depths,
 decayed over recent steps, starting from the average over all sequences). A tree of k
@@ -14,13 +15,15 @@ nodes reaching depth D(k) is expected to add sum_{d=1..D(k)} a^d tokens.
 Choice. Increments (one more depth for one sequence, the one that gains the most per
 node first) are taken in order; the step's objective is tokens per second,
 
-    (B + expected accepted) / (cost(B, X) + drafting seconds per node * X),
+    (B + expected accepted) / (cost(B, X) + drafting seconds per node * X
+                               + overhead seconds per drafting sequence * S),
 
-and the prefix of increments that maximises it wins, if it beats plain decoding by MARGIN
-(estimates are noisy; a wrong guess must not cost). When drafts do not pay (a large batch,
-low acceptance, a slow drafter) that prefix is empty and the step runs plain decoding. A
-sequence left without drafts is offered a one-node probe every PROBE_EVERY x batch steps
-so that its estimate can recover.
+where the overhead (verification, learning from the logits, proposing: Python work outside
+the forward pass) is measured as it runs. The prefix of increments that maximises it wins,
+if it beats plain decoding by MARGIN (estimates are noisy; a wrong guess must not cost).
+When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
+and the step runs plain decoding. A sequence left without drafts is offered a one-node
+probe every PROBE_EVERY x batch steps so that its estimate can recover.
 """
 
 from __future__ import annotations
@@ -33,18 +36,23 @@ DECAY = 0.8            # weight of the older acceptance evidence per step
 PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0
 PROBE_EVERY = 16
+PATIENCE = 8           # increments without a better objective (at least; one per sequence) before the search stops
 MARGIN = 0.05          # drafting must promise this much more speed than plain decoding
 COST_EMA = 0.2
 
 
-class CostModel:
+class _Curve:
+    """Seconds of a forward pass over (B, X) points, interpolated between them."""
+
     def __init__(self):
         self.rows: dict[int, dict[int, float]] = {}   # B -> {X: seconds}
+        self._usable: dict[bool, dict[int, dict[int, float]]] = {}   # cache of the rows estimate may use
 
-    def observe(self, batch: int, extra: int, seconds: float) -> None:
+    def put(self, batch: int, extra: int, seconds: float, ema: float = 1.0) -> None:
+        self._usable.clear()
         row = self.rows.setdefault(batch, {})
         old = row.get(extra)
-        row[extra] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        row[extra] = seconds if old is None else (1 - ema) * old + ema * seconds
 
     @staticmethod
     def _along(row: dict[int, float], extra: int) -> float:
@@ -60,16 +68,13 @@ class CostModel:
         x0, x1 = xs[i - 1], xs[i]
         return row[x0] + (row[x1] - row[x0]) * (extra - x0) / (x1 - x0)
 
-    def cost(self, batch: int, extra: int) -> float:
-        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens:
-        never below the pass without drafts, never zero (noisy points can slope downwards)."""
-        base = self._estimate(batch, 0)
-        return max(self._estimate(batch, extra) if extra else base, base, 1e-9)
-
-    def _estimate(self, batch: int, extra: int) -> float:
-        usable = {b: r for b, r in self.rows.items() if 0 in r and (extra == 0 or len(r) > 1)}
+    def estimate(self, batch: int, extra: int) -> float | None:
+        usable = self._usable.get(extra == 0)
+        if usable is None:
+            usable = self._usable[extra == 0] = {
+                b: r for b, r in self.rows.items() if 0 in r and (extra == 0 or len(r) > 1)}
         if not usable:
-            return 1.0 + extra   # unmeasured: every token costs alike
+            return None
         if batch in usable:
             return max(self._along(usable[batch], extra), 0.0)
         bs = sorted(usable)
@@ -82,6 +87,46 @@ class CostModel:
         return max(c0 + (c1 - c0) * (batch - b0) / (b1 - b0), 0.0)
 
 
+class CostModel:
+    """Learned step costs, kept from drifting below the calibration's shape.
+
+    Observed steps are few at each X > 0 and are compared with an X = 0 average taken at
+    other moments; on a machine whose speed drifts that comparison can make drafts look
+    free. The calibration's points were timed together, so their ratio cost(B, X) / cost(B, 0)
+    is trusted as a floor: a draft never looks cheaper, relative to plain decoding, than it
+    was measured to be."""
+
+    def __init__(self):
+        self.learned, self.calib = _Curve(), _Curve()
+
+    @property
+    def rows(self) -> dict[int, dict[int, float]]:
+        return self.learned.rows
+
+    def calibrate(self, batch: int, extra: int, seconds: float) -> None:
+        self.calib.put(batch, extra, seconds)
+        self.learned.put(batch, extra, seconds)
+
+    def observe(self, batch: int, extra: int, seconds: float) -> None:
+        self.learned.put(batch, extra, seconds, COST_EMA)
+
+    def cost(self, batch: int, extra: int) -> float:
+        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens:
+        never below the pass without drafts, never zero (noisy points can slope downwards)."""
+        base = self._estimate(batch, 0)
+        if not extra:
+            return max(base, 1e-9)
+        c = max(self._estimate(batch, extra), base)
+        c0, cx = self.calib.estimate(batch, 0), self.calib.estimate(batch, extra)
+        if c0 and cx:
+            c = max(c, base * cx / c0)
+        return max(c, 1e-9)
+
+    def _estimate(self, batch: int, extra: int) -> float:
+        c = self.learned.estimate(batch, extra)
+        return 1.0 + extra if c is None else c   # unmeasured: every token costs alike
+
+
 @dataclass
 class _Rate:
     hits: float = 0.0
@@ -92,10 +137,17 @@ class _Rate:
 class SpecController:
     def __init__(self, max_nodes: int, depth, adaptive: bool = True):
         """`depth(k)`: depth of the drafter's trees of k nodes."""
-        self.max_nodes, self.depth, self.adaptive = max_nodes, depth, adaptive
+        self.max_nodes, self._depth_of, self.adaptive = max_nodes, depth, adaptive
+        self._depths: dict[int, int] = {}
         self.cost = CostModel()
         self.rates: dict[str, _Rate] = {}
         self.total = _Rate()
+
+    def depth(self, size: int) -> int:
+        d = self._depths.get(size)
+        if d is None:
+            d = self._depths[size] = self._depth_of(size)
+        return d
 
     def rate(self, req_id: str) -> float:
         r = self.rates.get(req_id)
@@ -114,9 +166,12 @@ class SpecController:
     def finish(self, req_id: str) -> None:
         self.rates.pop(req_id, None)
 
-    def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float) -> list[int]:
+    def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float,
+             seq_overhead: float = 0.0) -> list[int]:
         """Nodes per sequence (0: no draft) for a next step of `batch` sequences in all;
-        `caps[i]` bounds sequence i."""
+        `caps[i]` bounds sequence i. `draft_cost`: seconds of drafting per node;
+        `seq_overhead`: seconds outside the forward pass per drafting sequence (verification,
+        learning, proposing)."""
         if not self.adaptive:
             return list(caps)
         sizes = [0] * len(req_ids)
@@ -124,19 +179,29 @@ class SpecController:
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
         steps: list[tuple[int, int, float]] = []        # (sequence, new size, gain)
-        while heap:
+        costs: dict[int, float] = {}
+        plain = batch / self.cost.cost(batch, 0)
+        best, best_at, tokens, extra, misses = plain * (1 + MARGIN), 0, float(batch), 0, 0
+        drafting = 0
+        # Increments come best gain per node first, so past its peak the objective only falls
+        # (up to noise in the cost curve): the search stops `patience` increments past the best.
+        patience = max(PATIENCE, len(req_ids))
+        while heap and misses < patience:
             _, i, k, gain, a = heapq.heappop(heap)
             steps.append((i, k, gain))
             self._push(heap, i, k, a, caps[i])
-        plain = batch / self.cost.cost(batch, 0)
-        best, best_at, tokens, extra = plain * (1 + MARGIN), 0, float(batch), 0
-        for n, (i, k, gain) in enumerate(steps, start=1):
+            drafting += sizes[i] == 0
             extra += k - sizes[i]
             sizes[i] = k
             tokens += gain
-            speed = tokens / (self.cost.cost(batch, extra) + draft_cost * extra)
+            c = costs.get(extra)
+            if c is None:
+                c = costs[extra] = self.cost.cost(batch, extra)
+            speed = tokens / (c + draft_cost * extra + seq_overhead * drafting)
             if speed > best:
-                best, best_at = speed, n
+                best, best_at, misses = speed, len(steps), 0
+            else:
+                misses += 1
         sizes = [0] * len(req_ids)
         for i, k, _ in steps[:best_at]:
             sizes[i] = k

@@ -37,6 +37,8 @@ from loom.spec.verify import verify_greedy, verify_sampled
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 CALIBRATION_DRAFTS = (0, 1, 2, 4, 8)      # draft nodes per sequence
 CALIBRATION_CONTEXT = 64
+OVERHEAD_EMA = 0.2
+OBSERVE_PLAIN_BATCH = 4                  # sequences per step that feed the drafter in a batch without drafts
 
 
 @dataclass
@@ -60,6 +62,8 @@ class SpecDecoder:
         self.drafter = DRAFTERS[config.method](config, env)
         self.controller = SpecController(config.num_speculative_tokens, self.drafter.depth, config.adaptive)
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._turn = 0       # which sequences of a large plain batch feed the drafter next
+        self.overheads: dict[str, float] = {}   # measured seconds per drafting sequence, by part
 
     def finish(self, req_id: str) -> None:
         self.drafter.finish(req_id)
@@ -97,7 +101,7 @@ class SpecDecoder:
                     self._time_forward(runner, seqs)
                     warm = False
                 best = min(self._time_forward(runner, seqs) for _ in range(2))
-                self.controller.cost.observe(b, b * k, best)
+                self.controller.cost.calibrate(b, b * k, best)
 
     @staticmethod
     def _time_forward(runner, seqs) -> float:
@@ -116,16 +120,29 @@ class SpecDecoder:
         for c in counts:
             starts.append(starts[-1] + c)
         plain = [i for i, s in enumerate(seqs) if not s.draft_parents]
-        result = runner._sample(logits[[starts[i] for i in plain]], [seqs[i].req_id for i in plain]) \
-            if plain else RunnerOutput({})
+        plain_logits = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
+        result = runner._sample(plain_logits, [seqs[i].req_id for i in plain]) if plain else RunnerOutput({})
+        # The drafter learns from the rows' top-k. A large batch without drafts (where drafting
+        # does not pay) feeds it OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over
+        # the vocabulary for every row would cost more than it could teach.
         topk = None
         if self.drafter.observe_topk:
-            topk = logits.topk(self.drafter.observe_topk, dim=1).indices.tolist()
+            if len(plain) == len(seqs) and len(seqs) > OBSERVE_PLAIN_BATCH:
+                self._turn += OBSERVE_PLAIN_BATCH
+                observed = [(self._turn + j) % len(seqs) for j in range(OBSERVE_PLAIN_BATCH)]
+                rows = logits[observed].topk(self.drafter.observe_topk, dim=1).indices.tolist()
+                topk = [None] * len(seqs)
+                for i, r in zip(observed, rows):
+                    topk[i] = r
+            else:
+                topk = logits.topk(self.drafter.observe_topk, dim=1).indices.tolist()
         index = {s.req_id: i for i, s in enumerate(out.seqs)}
+        t_verify, n_verify = time.perf_counter(), 0
         for i, s in enumerate(seqs):
             nd = len(s.draft_parents)
             accepted = 0
             if nd:
+                n_verify += 1
                 tree = DraftTree(tuple(s.token_ids[-nd:]), s.draft_parents)
                 verdict = self._verify(runner, s.req_id, tree, logits[starts[i]:starts[i + 1]])
                 accepted = len(verdict.accepted_nodes)
@@ -134,13 +151,20 @@ class SpecDecoder:
                 self._compact(runner, meta.kv_slots[index[s.req_id]], len(s.token_ids) - nd + s.start_pos,
                               verdict.accepted_nodes)
                 self._count(s.req_id, tree, accepted)
-            if topk is not None:
+            if topk is not None and topk[starts[i]] is not None:
                 root = len(s.token_ids) - nd - 1
                 self.drafter.observe(Observation(
                     s.req_id, s.token_ids[root:], [-1] + [p + 1 for p in s.draft_parents],
                     topk[starts[i]:starts[i + 1]], accepted))
+        if n_verify:
+            self._overhead("verify", (time.perf_counter() - t_verify) / n_verify)
         result.drafts.update(self._propose(runner, seqs, len(out.seqs)))
         return result
+
+    def _overhead(self, part: str, seconds: float) -> None:
+        """Per drafting sequence: seconds outside the forward pass (verify + learn, propose)."""
+        old = self.overheads.get(part)
+        self.overheads[part] = seconds if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * seconds
 
     def _verify(self, runner, req_id: str, tree: DraftTree, logits: torch.Tensor):
         st = runner.states[req_id]
@@ -180,11 +204,16 @@ class SpecDecoder:
                 caps.append(min(self.config.num_speculative_tokens, left))
         if not cands:
             return {}
-        sizes = self.controller.plan(cands, batch, caps, self.drafter.cost_per_token())
+        sizes = self.controller.plan(cands, batch, caps, self.drafter.cost_per_token(),
+                                     sum(self.overheads.values()))
         reqs = []
         for rid, k in zip(cands, sizes):
             if k:
                 st = runner.states[rid]
                 reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k))
-        trees = self.drafter.propose(reqs) if reqs else []
+        if not reqs:
+            return {}
+        t0 = time.perf_counter()
+        trees = self.drafter.propose(reqs)
+        self._overhead("propose", (time.perf_counter() - t0) / len(reqs))
         return {r.req_id: t.cut(r.budget) for r, t in zip(reqs, trees) if t is not None and len(t)}
