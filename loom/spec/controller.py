@@ -98,21 +98,30 @@ class CostModel:
 
     def __init__(self):
         self.learned, self.calib = _Curve(), _Curve()
+        self._memo: dict[tuple[int, int], float] = {}   # cost() until the next observation
 
     @property
     def rows(self) -> dict[int, dict[int, float]]:
         return self.learned.rows
 
     def calibrate(self, batch: int, extra: int, seconds: float) -> None:
+        self._memo.clear()
         self.calib.put(batch, extra, seconds)
         self.learned.put(batch, extra, seconds)
 
     def observe(self, batch: int, extra: int, seconds: float) -> None:
+        self._memo.clear()
         self.learned.put(batch, extra, seconds, COST_EMA)
 
     def cost(self, batch: int, extra: int) -> float:
         """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens:
         never below the pass without drafts, never zero (noisy points can slope downwards)."""
+        c = self._memo.get((batch, extra))
+        if c is None:
+            c = self._memo[batch, extra] = self._cost(batch, extra)
+        return c
+
+    def _cost(self, batch: int, extra: int) -> float:
         base = self._estimate(batch, 0)
         if not extra:
             return max(base, 1e-9)
