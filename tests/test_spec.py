@@ -372,3 +372,20 @@ def test_controller_counts_the_work_each_drafting_sequence_adds_outside_the_forw
         ctl.record("a", 1, 4)                # a modest acceptance rate
     assert ctl.plan(["a"], 1, [8], 0.0, seq_overhead=0.0)[0] > 0
     assert ctl.plan(["a"], 1, [8], 0.0, seq_overhead=0.020) == [0]
+
+
+def test_controller_skips_the_search_for_a_few_steps_after_one_that_found_no_draft_worth_it():
+    from loom.spec.controller import IDLE_REPLAN
+
+    ctl = SpecController(8, depth=lambda k: k)
+    ctl.cost.observe(8, 0, 0.020)
+    ctl.cost.observe(8, 64, 0.200)          # drafts cost as much as whole steps: no drafts
+    for _ in range(10):
+        ctl.record("a", 4, 4)
+    ids = [f"s{i}" for i in range(8)]
+    assert ctl.plan(ids, 8, [8] * 8, 0.0) == [0] * 8
+    for _ in range(30):
+        ctl.cost.observe(8, 64, 0.021)      # drafts became almost free
+    for _ in range(IDLE_REPLAN - 1):
+        assert ctl.plan(ids, 8, [8] * 8, 0.0) == [0] * 8
+    assert sum(ctl.plan(ids, 8, [8] * 8, 0.0)) > 0

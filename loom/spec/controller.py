@@ -23,7 +23,9 @@ the forward pass) is measured as it runs. The prefix of increments that maximise
 if it beats plain decoding by MARGIN (estimates are noisy; a wrong guess must not cost).
 When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
 and the step runs plain decoding. A sequence left without drafts is offered a one-node
-probe every PROBE_EVERY x batch steps so that its estimate can recover.
+probe every PROBE_EVERY x batch steps so that its estimate can recover. After a plan without
+drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run):
+where drafting does not pay, the search is most of speculation's cost.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0
 PROBE_EVERY = 16
 PATIENCE = 8           # increments without a better objective (at least; one per sequence) before the search stops
+IDLE_REPLAN = 4        # after a plan without drafts, the next full plan at that batch size is 4 steps on
 MARGIN = 0.05          # drafting must promise this much more speed than plain decoding
 COST_EMA = 0.2
 
@@ -148,6 +151,7 @@ class SpecController:
         """`depth(k)`: depth of the drafter's trees of k nodes."""
         self.max_nodes, self._depth_of, self.adaptive = max_nodes, depth, adaptive
         self._depths: dict[int, int] = {}
+        self._idle_plans: dict[int, int] = {}   # batch -> plans left to skip after one that drafted nothing
         self.cost = CostModel()
         self.rates: dict[str, _Rate] = {}
         self.total = _Rate()
@@ -184,6 +188,9 @@ class SpecController:
         if not self.adaptive:
             return list(caps)
         sizes = [0] * len(req_ids)
+        if self._idle_plans.get(batch, 0) > 0:    # drafting did not pay at this batch just now
+            self._idle_plans[batch] -= 1
+            return self._probe(req_ids, sizes, caps, batch)
         heap = []
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
@@ -214,6 +221,7 @@ class SpecController:
         sizes = [0] * len(req_ids)
         for i, k, _ in steps[:best_at]:
             sizes[i] = k
+        self._idle_plans[batch] = 0 if best_at else IDLE_REPLAN - 1
         return self._probe(req_ids, sizes, caps, batch)
 
     def _push(self, heap, i: int, k: int, a: float, cap: int) -> None:
