@@ -195,7 +195,6 @@ class SpecController:
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
         steps: list[tuple[int, int, float]] = []        # (sequence, new size, gain)
-        costs: dict[int, float] = {}
         plain = batch / self.cost.cost(batch, 0)
         best, best_at, tokens, extra, misses = plain * (1 + MARGIN), 0, float(batch), 0, 0
         drafting = 0
@@ -210,10 +209,7 @@ class SpecController:
             extra += k - sizes[i]
             sizes[i] = k
             tokens += gain
-            c = costs.get(extra)
-            if c is None:
-                c = costs[extra] = self.cost.cost(batch, extra)
-            speed = tokens / (c + draft_cost * extra + seq_overhead * drafting)
+            speed = tokens / (self.cost.cost(batch, extra) + draft_cost * extra + seq_overhead * drafting)
             if speed > best:
                 best, best_at, misses = speed, len(steps), 0
             else:

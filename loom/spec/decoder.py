@@ -131,7 +131,7 @@ class SpecDecoder:
                 self._turn += OBSERVE_PLAIN_BATCH
                 observed = [(self._turn + j) % len(seqs) for j in range(OBSERVE_PLAIN_BATCH)]
                 rows = logits[observed].topk(self.drafter.observe_topk, dim=1).indices.tolist()
-                topk = [None] * len(seqs)
+                topk = [None] * len(seqs)    # all plain: row i is sequence i's only row
                 for i, r in zip(observed, rows):
                     topk[i] = r
             else:
