@@ -364,6 +364,37 @@ def test_cost_model_keeps_the_calibrated_price_of_drafts_when_its_plain_average_
     assert cost.cost(8, 8) >= cost.cost(8, 0) * 0.025 / 0.015 * 0.999
 
 
+def test_cost_model_prices_drafts_at_the_batch_context_length():
+    """Draft rows attend over their whole context: a calibration at a short context alone
+    would underprice them in a long one (and drafting would then lose)."""
+    from loom.spec.controller import CostModel
+
+    cost = CostModel()
+    for ctx, plain, drafted in ((64, 0.015, 0.020), (1024, 0.020, 0.040)):
+        cost.calibrate(8, 0, plain, ctx)
+        cost.calibrate(8, 8, drafted, ctx)
+    for _ in range(20):
+        cost.observe(8, 0, 0.018)
+    short, long_, mid = (cost.cost(8, 8, c) / cost.cost(8, 0, c) for c in (64, 1024, 544))
+    assert short == pytest.approx(0.020 / 0.015)
+    assert long_ == pytest.approx(0.040 / 0.020)
+    assert mid == pytest.approx(0.030 / 0.0175)
+    assert cost.cost(8, 8, 2048) / cost.cost(8, 0, 2048) > long_     # extended past the longest
+
+
+def test_controller_drafts_in_a_short_context_and_not_in_a_long_one_where_drafts_cost_more():
+    ctl = SpecController(8, depth=lambda k: k)
+    # a draft row costs 1/40 of a plain row's share of the step at 64 tokens, 70% of it at 1024
+    for ctx, plain, drafted in ((64, 0.010, 0.012), (1024, 0.012, 0.080)):
+        ctl.cost.calibrate(8, 0, plain, ctx)
+        ctl.cost.calibrate(8, 64, drafted, ctx)
+    for _ in range(10):
+        ctl.record("s0", 1, 4)               # half of the drafts accepted
+    ids = [f"s{i}" for i in range(8)]
+    assert sum(ctl.plan(ids, 8, [8] * 8, 0.0, context=64)) > 0
+    assert ctl.plan(ids, 8, [8] * 8, 0.0, context=1024) == [0] * 8
+
+
 def test_controller_counts_the_work_each_drafting_sequence_adds_outside_the_forward_pass():
     ctl = SpecController(8, depth=lambda k: k)
     ctl.cost.observe(1, 0, 0.010)

@@ -2,11 +2,13 @@
 
 Cost. `CostModel` holds the measured seconds of one forward pass as a function of the
 batch: B sequences decoding or verifying, carrying X draft tokens in all. It starts from a
-calibration (timed forward passes of the runner at a few (B, X) points, made before any
-request exists) and keeps learning from every step without prefill chunks (an average per
-observed (B, X)). Between points it interpolates linearly; X = 0 is its own point, since
-an all-decode batch may take a faster path than one with drafts. The calibration's ratio
-cost(B, X) / cost(B, 0) is a floor under the learned one (see `CostModel`).
+calibration (timed forward passes of the runner at a few (B, X) points and two context
+lengths, made before any request exists) and keeps learning from every step without
+prefill chunks (an average per observed (B, X)). Between points it interpolates linearly;
+X = 0 is its own point, since an all-decode batch may take a faster path than one with
+drafts. The calibration's ratio cost(B, X) / cost(B, 0), at the batch's mean context
+length, is a floor under the learned one (see `CostModel`): a draft row attends over its
+whole context, so drafts cost more, relative to plain decoding, in long contexts.
 
 Gain. Each sequence has a per-depth acceptance rate `a` (accepted nodes / tried depths,
 decayed over recent steps, starting from the average over all sequences). A tree of k
@@ -42,6 +44,7 @@ PATIENCE = 8           # increments without a better objective (at least; one pe
 IDLE_REPLAN = 4        # after a plan without drafts, the next full plan at that batch size is 4 steps on
 MARGIN = 0.05          # drafting must promise this much more speed than plain decoding
 COST_EMA = 0.2
+CONTEXT_BUCKET = 64   # contexts this close share a memoised cost
 
 
 class _Curve:
@@ -97,42 +100,59 @@ class CostModel:
     other moments; on a machine whose speed drifts that comparison can make drafts look
     free. The calibration's points were timed together, so their ratio cost(B, X) / cost(B, 0)
     is trusted as a floor: a draft never looks cheaper, relative to plain decoding, than it
-    was measured to be."""
+    was measured to be. The calibration is timed at a few context lengths; the ratio at the
+    batch's context comes from costs interpolated linearly in the context (attention, the
+    part that grows with it, is linear in it), extended past the longest one measured."""
 
     def __init__(self):
-        self.learned, self.calib = _Curve(), _Curve()
-        self._memo: dict[tuple[int, int], float] = {}   # cost() until the next observation
+        self.learned = _Curve()
+        self.calib: dict[int, _Curve] = {}          # context length -> calibrated curve
+        self._memo: dict[tuple[int, int, int], float] = {}   # cost() until the next observation
 
     @property
     def rows(self) -> dict[int, dict[int, float]]:
         return self.learned.rows
 
-    def calibrate(self, batch: int, extra: int, seconds: float) -> None:
+    def calibrate(self, batch: int, extra: int, seconds: float, context: int = 0) -> None:
         self._memo.clear()
-        self.calib.put(batch, extra, seconds)
-        self.learned.put(batch, extra, seconds)
+        self.calib.setdefault(context, _Curve()).put(batch, extra, seconds)
+        if context == min(self.calib):
+            self.learned.put(batch, extra, seconds)
 
     def observe(self, batch: int, extra: int, seconds: float) -> None:
         self._memo.clear()
         self.learned.put(batch, extra, seconds, COST_EMA)
 
-    def cost(self, batch: int, extra: int) -> float:
-        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens:
-        never below the pass without drafts, never zero (noisy points can slope downwards)."""
-        c = self._memo.get((batch, extra))
+    def cost(self, batch: int, extra: int, context: int = 0) -> float:
+        """Estimated seconds of a forward pass of `batch` sequences carrying `extra` draft tokens,
+        at a mean context of `context` tokens: never below the pass without drafts, never zero
+        (noisy points can slope downwards)."""
+        key = (batch, extra, context // CONTEXT_BUCKET)
+        c = self._memo.get(key)
         if c is None:
-            c = self._memo[batch, extra] = self._cost(batch, extra)
+            c = self._memo[key] = self._cost(batch, extra, context)
         return c
 
-    def _cost(self, batch: int, extra: int) -> float:
+    def _cost(self, batch: int, extra: int, context: int) -> float:
         base = self._estimate(batch, 0)
         if not extra:
             return max(base, 1e-9)
         c = max(self._estimate(batch, extra), base)
-        c0, cx = self.calib.estimate(batch, 0), self.calib.estimate(batch, extra)
+        c0, cx = self._calibrated(batch, 0, context), self._calibrated(batch, extra, context)
         if c0 and cx:
             c = max(c, base * cx / c0)
         return max(c, 1e-9)
+
+    def _calibrated(self, batch: int, extra: int, context: int) -> float | None:
+        """The calibration's cost at `context`: linear between the two nearest context lengths
+        measured (extended past the ends, never below the shortest context's cost)."""
+        points = [(n, e) for n, curve in sorted(self.calib.items())
+                  if (e := curve.estimate(batch, extra)) is not None]
+        if len(points) < 2:
+            return points[0][1] if points else None
+        i = min(max(bisect.bisect_left([n for n, _ in points], context), 1), len(points) - 1)
+        (n0, e0), (n1, e1) = points[i - 1], points[i]
+        return max(e0 + (e1 - e0) * (context - n0) / (n1 - n0), points[0][1])
 
     def _estimate(self, batch: int, extra: int) -> float:
         c = self.learned.estimate(batch, extra)
@@ -180,11 +200,11 @@ class SpecController:
         self.rates.pop(req_id, None)
 
     def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float,
-             seq_overhead: float = 0.0) -> list[int]:
+             seq_overhead: float = 0.0, context: int = 0) -> list[int]:
         """Nodes per sequence (0: no draft) for a next step of `batch` sequences in all;
         `caps[i]` bounds sequence i. `draft_cost`: seconds of drafting per node;
         `seq_overhead`: seconds outside the forward pass per drafting sequence (verification,
-        learning, proposing)."""
+        learning, proposing); `context`: the batch's mean context length in tokens."""
         if not self.adaptive:
             return list(caps)
         sizes = [0] * len(req_ids)
@@ -195,7 +215,7 @@ class SpecController:
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
         steps: list[tuple[int, int, float]] = []        # (sequence, new size, gain)
-        plain = batch / self.cost.cost(batch, 0)
+        plain = batch / self.cost.cost(batch, 0, context)
         best, best_at, tokens, extra, misses = plain * (1 + MARGIN), 0, float(batch), 0, 0
         drafting = 0
         # Increments come best gain per node first, so past its peak the objective only falls
@@ -209,7 +229,7 @@ class SpecController:
             extra += k - sizes[i]
             sizes[i] = k
             tokens += gain
-            speed = tokens / (self.cost.cost(batch, extra) + draft_cost * extra + seq_overhead * drafting)
+            speed = tokens / (self.cost.cost(batch, extra, context) + draft_cost * extra + seq_overhead * drafting)
             if speed > best:
                 best, best_at, misses = speed, len(steps), 0
             else:

@@ -36,7 +36,7 @@ from loom.spec.verify import verify_greedy, verify_sampled
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 CALIBRATION_DRAFTS = (0, 1, 2, 4, 8)      # draft nodes per sequence
-CALIBRATION_CONTEXT = 64
+CALIBRATION_CONTEXTS = (64, 1024)     # context lengths (tokens in the cache), shortest first
 OVERHEAD_EMA = 0.2
 OBSERVE_PLAIN_BATCH = 4                  # sequences per step that feed the drafter in a batch without drafts
 
@@ -81,27 +81,30 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def calibrate(self, runner, max_num_seqs: int) -> None:
-        """Times forward passes at a grid of (sequences, draft nodes each); run before any
-        request holds KV blocks (it writes into free blocks)."""
-        bs = runner.block_size
-        per_seq = -(-(CALIBRATION_CONTEXT + max(CALIBRATION_DRAFTS) + 1) // bs)
+        """Times forward passes at a grid of (sequences, draft nodes each) and context lengths;
+        run before any request holds KV blocks (it writes into free blocks). A point that does
+        not fit the cache or the model's context is left out."""
         gen = torch.Generator().manual_seed(0)
         warm = True
-        for b in CALIBRATION_BATCHES:
-            if b > max_num_seqs or b * per_seq > runner.num_blocks:
+        for ctx in CALIBRATION_CONTEXTS:
+            if ctx + max(CALIBRATION_DRAFTS) + 1 > runner.model.cfg.context_length:
                 break
-            for k in CALIBRATION_DRAFTS:
-                if k > self.config.num_speculative_tokens:
+            per_seq = -(-(ctx + max(CALIBRATION_DRAFTS) + 1) // runner.block_size)
+            for b in CALIBRATION_BATCHES:
+                if b > max_num_seqs or b * per_seq > runner.num_blocks:
                     break
-                seqs = [ScheduledSeq(f"calibrate{i}",
-                                     torch.randint(runner.vocab_size, (1 + k,), generator=gen).tolist(),
-                                     CALIBRATION_CONTEXT, list(range(i * per_seq, (i + 1) * per_seq)), True,
-                                     tuple(range(-1, k - 1))) for i in range(b)]
-                if warm:   # the first pass pays one-time costs
-                    self._time_forward(runner, seqs)
-                    warm = False
-                best = min(self._time_forward(runner, seqs) for _ in range(2))
-                self.controller.cost.calibrate(b, b * k, best)
+                for k in CALIBRATION_DRAFTS:
+                    if k > self.config.num_speculative_tokens:
+                        break
+                    seqs = [ScheduledSeq(f"calibrate{i}",
+                                         torch.randint(runner.vocab_size, (1 + k,), generator=gen).tolist(),
+                                         ctx, list(range(i * per_seq, (i + 1) * per_seq)), True,
+                                         tuple(range(-1, k - 1))) for i in range(b)]
+                    if warm:   # the first pass pays one-time costs
+                        self._time_forward(runner, seqs)
+                        warm = False
+                    best = min(self._time_forward(runner, seqs) for _ in range(2))
+                    self.controller.cost.calibrate(b, b * k, best, ctx)
 
     @staticmethod
     def _time_forward(runner, seqs) -> float:
@@ -204,8 +207,9 @@ class SpecDecoder:
                 caps.append(min(self.config.num_speculative_tokens, left))
         if not cands:
             return {}
+        context = sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
         sizes = self.controller.plan(cands, batch, caps, self.drafter.cost_per_token(),
-                                     sum(self.overheads.values()))
+                                     sum(self.overheads.values()), context)
         reqs = []
         for rid, k in zip(cands, sizes):
             if k:
