@@ -115,6 +115,9 @@ def bench(
     spec_methods: str | None = typer.Option(None, "--spec-methods",
                                             help="With --spec: methods, comma-separated (default: "
                                                  "prompt_lookup,token_recycling,lookahead,auto)."),
+    spec_repeats: int | None = typer.Option(None, "--spec-repeats", min=1,
+                                            help="With --spec: runs of every engine, interleaved; the fastest "
+                                                 "counts (default 2; quick: 1)."),
     markdown: Path | None = typer.Option(None, "--markdown",
                                          help="With --spec: write the docs/benchmarks.md section here."),
     parallel: bool = typer.Option(False, "--parallel",
@@ -156,7 +159,7 @@ def bench(
 
     if spec:
         _spec_bench(model, threads or physical_cores(), prompts or SPEC_BENCH_PATH, quick, dtype, json_path, markdown,
-                    spec_prompts, spec_methods)
+                    spec_prompts, spec_methods, spec_repeats)
         return
     settings = BenchSettings.preset(quick).replace(
         concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
@@ -183,7 +186,8 @@ def bench(
 
 
 def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
-                markdown: Path | None, per_category: int | None, methods: str | None) -> None:
+                markdown: Path | None, per_category: int | None, methods: str | None,
+                repeats: int | None) -> None:
     from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines
     from loom.bench.settings import BenchError
 
@@ -192,6 +196,8 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
         settings = dataclasses.replace(settings, dtype=dtype)
     if per_category:
         settings = dataclasses.replace(settings, prompts_per_category=per_category)
+    if repeats:
+        settings = dataclasses.replace(settings, repeats=repeats)
     if methods:
         chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
         unknown = [m for m in chosen if m not in METHODS + ("draft_model",)]

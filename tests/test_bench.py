@@ -285,7 +285,7 @@ def test_spec_bench_quick_reports_every_category(tiny_llama_path: Path, prompts_
     md, out = tmp_path / "spec.md", tmp_path / "spec.json"
     result = CliRunner().invoke(app, ["bench", "--spec", "--quick", "--model", str(tiny_llama_path), "--threads", "1",
                                       "--prompts", str(prompts_file), "--spec-methods", "prompt_lookup",
-                                      "--json", str(out), "--markdown", str(md)])
+                                      "--spec-repeats", "2", "--json", str(out), "--markdown", str(md)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert set(report["categories"]) == set(CATEGORIES)
@@ -295,6 +295,18 @@ def test_spec_bench_quick_reports_every_category(tiny_llama_path: Path, prompts_
         assert single["decode_tokens"] == single["tokens"] - row["prompts"]   # the first tokens are not decode
     text = md.read_text()
     assert "### `prompt_lookup`" in text and all(f"| {c} |" in text for c in CATEGORIES)
+
+
+def test_spec_bench_keeps_each_engines_fastest_run_and_adds_up_its_drafts() -> None:
+    from loom.bench.spec_bench import _fastest
+
+    def run(single: float, concurrent: float, drafts: int) -> dict:
+        return {"single": {"decode_tok_s": single}, "concurrent": {"decode_tok_s": concurrent},
+                "num_drafts": drafts, "num_accepted_tokens": 2 * drafts}
+
+    best = _fastest(_fastest(None, run(100.0, 50.0, 3)), run(90.0, 60.0, 4))
+    assert best["single"]["decode_tok_s"] == 100.0 and best["concurrent"]["decode_tok_s"] == 60.0
+    assert best["num_drafts"] == 7 and best["num_accepted_tokens"] == 14
 
 
 def test_spec_bench_rejects_unknown_methods(tiny_llama_path: Path) -> None:
