@@ -5,7 +5,8 @@
     32-group), with every fused pre-op and the residual add, for M = 1 .. 40;
   * rows do not depend on the batch they are computed in;
   * RoPE + cache store and decode attention equal the torch path;
-  * a model in `auto` mode stays close to the exact mode, and falls back to torch without the kernels.
+  * a model in `auto` mode stays close to the exact mode, and falls back to torch without the kernels;
+  * the variant built (AVX-512 or AVX2) is the first this CPU can run.
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ from loom.model.quant import QuantCodes, exact_codes, pack_codes
 from loom.model.weights import LinearWeight
 from loom.spec.tree import tree_attention_mask
 
-# Only a CPU without the instructions excuses a kernel test; on one that has them, a failed
-# build fails these tests (kernels.load() returns None) instead of skipping them.
-_missing = [f for f in kernels.REQUIRED_FLAGS if f not in cpu_flags()]
-needs_kernels = pytest.mark.skipif(bool(_missing), reason=f"this CPU lacks {', '.join(_missing)}")
+# Only a CPU without the instructions of any variant (AVX-512 VNNI, or AVX2 + FMA + F16C)
+# excuses a kernel test; on one that has them, a failed build fails these tests
+# (kernels.load() returns None) instead of skipping them.
+_missing = {name: [f for f in flags if f not in cpu_flags()] for name, flags in kernels.REQUIRED_FLAGS.items()}
+needs_kernels = pytest.mark.skipif(all(_missing.values()), reason="this CPU lacks " + " and ".join(
+    f"{name} ({', '.join(m)})" for name, m in _missing.items()))
+
+
+@needs_kernels
+def test_the_built_variant_is_the_cpus_first_choice():
+    assert kernels.load() is not None, kernels.unavailable_reason()
+    assert kernels.cpu_variant() in kernels.VARIANTS
+    assert kernels.variant() == kernels.cpu_variant()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)

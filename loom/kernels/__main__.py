@@ -7,4 +7,4 @@ from loom import kernels
 if kernels.load(verbose="-v" in sys.argv) is None:
     print(f"loom kernels not built ({kernels.unavailable_reason()}); loom will use its torch fallback")
 else:
-    print("loom kernels ready")
+    print(f"loom kernels ready ({kernels.variant()})")

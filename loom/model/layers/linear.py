@@ -7,7 +7,8 @@ row-stacked weights, split by the caller.
     exact     dense float32 (MKL): the reference mode, bit-identical to transformers
     bf16      dense bfloat16 (oneDNN): compute-bound shapes, on CPUs with native bf16
     quant     loom's kernels (loom/kernels): the GGUF codes themselves (4-bit, or 8-bit
-              where the type needs it) times int8-quantized activations, VNNI dot products;
+              where the type needs it) times int8-quantized activations, integer dot products
+              (AVX-512 VNNI or AVX2);
               one kernel for every M, with RMSNorm / SwiGLU / GeGLU and the residual add fused
     int4      torch's group-wise int4 kernel over exact 4-bit codes (bf16 activations)
     int8      torch's per-channel int8 kernel (bf16 activations)
@@ -87,7 +88,7 @@ class Int8Linear:
 
 
 class QuantLinear:
-    """loom's VNNI kernel over the weight's codes. Besides y = x @ W^T it fuses a pre-op on x
+    """loom's integer kernel over the weight's codes. Besides y = x @ W^T it fuses a pre-op on x
     (RMSNorm with `norm`, or SwiGLU / GeGLU of x = [gate | up]) and `out += y`."""
 
     fused = True
