@@ -128,6 +128,23 @@ def test_greedy_ties_go_to_lowest_id():
     assert out.token_ids.tolist() == [3, 0, 4]
 
 
+@pytest.mark.parametrize("vocab", [100, 4096, 49152, 50001, 262144])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_chunked_argmax_equals_torch_argmax_ties_included(vocab, rows):
+    from loom.sample.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(vocab + rows)
+    cases = [torch.randn(rows, vocab, generator=gen),
+             torch.randint(-3, 4, (rows, vocab), generator=gen).float()]   # many ties, across chunks
+    last = torch.zeros(rows, vocab)
+    last[:, -1] = 1.0                      # the max in the last id (a partial last chunk where vocab % 1024)
+    both_ends = torch.zeros(rows, vocab)
+    both_ends[:, [0, -1]] = 1.0            # a tie between the first and the last chunk
+    for logits in cases + [last, both_ends]:
+        got = argmax_rows(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=1))
+
+
 def test_top_k_one_is_greedy():
     logits = random_logits(64, scale=1.0)
     out = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 64)

@@ -21,7 +21,7 @@ import torch
 
 from loom.engine.scheduler import RunnerOutput, SchedulerOutput, TokenLogprobs
 from loom.model.layers.attention import AttentionMetadata
-from loom.sample.sampler import Sampler, SamplingBatch, request_generator
+from loom.sample.sampler import Sampler, SamplingBatch, argmax_rows, request_generator
 from loom.sampling_params import SamplingParams
 from loom.spec.tree import DraftTree, tree_attention_mask
 
@@ -113,7 +113,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
         states = [self.states[r] for r in req_ids]
         if all(st.plain_greedy for st in states):  # the common case, without building a sampling batch
-            tokens = logits.argmax(dim=1).tolist()
+            tokens = argmax_rows(logits).tolist()
             for st, tok in zip(states, tokens):
                 st.output_token_ids.append(tok)
             return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, tokens)}, {})

@@ -36,6 +36,36 @@ import torch.nn.functional as F
 from loom.sampling_params import SamplingParams
 
 
+ARGMAX_CHUNK = 1024
+_CHUNK_IDS = torch.arange(ARGMAX_CHUNK)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of [R, V] logits, ties to the lowest id, as `x.argmax(dim=1)` gives,
+    in ~1/10 of its time over a large vocabulary: torch's CPU argmax is a scalar loop, its max
+    is vectorised. Row maxima of 1024-wide chunks find the first chunk holding the row's max;
+    an argmax inside that one chunk finds the token.
+
+        row     | chunk 0 | chunk 1 | ... | chunk c* | ... | tail |
+        amax       m0        m1               M                      -> c* = first chunk with M
+        argmax inside chunk c* -> id = c* * 1024 + j
+    """
+    R, V = x.shape
+    if V < 4 * ARGMAX_CHUNK:
+        return x.argmax(dim=1)
+    full = V - V % ARGMAX_CHUNK
+    chunk_max = x[:, :full].reshape(R, -1, ARGMAX_CHUNK).amax(dim=2)        # [R, V // 1024]
+    if full < V:
+        chunk_max = torch.cat([chunk_max, x[:, full:].amax(dim=1, keepdim=True)], dim=1)
+    best = chunk_max.argmax(dim=1)                                           # [R]
+    if R == 1:
+        start = int(best) * ARGMAX_CHUNK
+        return (x[0, start:start + ARGMAX_CHUNK].argmax() + start).view(1)
+    # ids of the chosen chunk; the tail chunk repeats its last id, which keeps the first max first
+    ids = (best[:, None] * ARGMAX_CHUNK + _CHUNK_IDS).clamp_(max=V - 1)     # [R, 1024]
+    return ids.gather(1, x.gather(1, ids).argmax(dim=1, keepdim=True)).squeeze(1)
+
+
 def _column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
@@ -338,11 +368,11 @@ class Sampler:
             self._penalise(logits, batch)
 
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=1)
+            token_ids = argmax_rows(logits)
         else:
             token_ids = torch.empty(batch.num_rows, dtype=torch.int64)
             if not batch.all_random:
-                token_ids[batch.greedy] = logits[batch.greedy].argmax(dim=1)
+                token_ids[batch.greedy] = argmax_rows(logits[batch.greedy])
             random_rows = _rows_where(~batch.greedy)
             if random_rows is None:
                 token_ids[:] = self._sample(logits, batch, torch.arange(batch.num_rows))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loom.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from loom.sample.sampler import argmax_rows
 from loom.spec.config import SpeculativeConfig
 from loom.spec.controller import SpecController
 from loom.spec.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
@@ -172,7 +173,7 @@ class SpecDecoder:
     def _verify(self, runner, req_id: str, tree: DraftTree, logits: torch.Tensor):
         st = runner.states[req_id]
         if st.params.is_greedy:
-            return verify_greedy(tree, logits.argmax(dim=1).tolist())
+            return verify_greedy(tree, argmax_rows(logits).tolist())
         batch = runner.sampling_batch([req_id] * logits.shape[0])
         probs = runner.sampler.probs(logits.clone(), batch, torch.arange(logits.shape[0]))
         return verify_sampled(tree, probs, st.generator or runner.sampler.generator)

@@ -22,6 +22,7 @@ import torch
 
 from loom.errors import InvalidRequestError
 from loom.kv.manager import KVCacheManager
+from loom.sample.sampler import argmax_rows
 from loom.spec.drafters.base import DraftRequest, Drafter, register
 from loom.spec.tree import DraftTree
 
@@ -123,5 +124,5 @@ class DraftModelDrafter(Drafter):
         ids, positions, meta = self._build_batch(seqs, self.block_size)
         hidden = self.model.forward(ids, positions, meta, self.caches)
         rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in range(len(seqs))])
-        best = self.model.compute_logits(hidden[rows]).argmax(dim=1).tolist()
+        best = argmax_rows(self.model.compute_logits(hidden[rows])).tolist()
         return {s.req_id: tok for s, tok in zip(seqs, best)}
