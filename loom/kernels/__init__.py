@@ -27,6 +27,7 @@ import torch
 from loom.model.cpu import cpu_flags
 
 CSRC = Path(__file__).parent / "csrc"
+HOST_HEADER = CSRC / "loom_kernels_host.h"   # included by both sources
 # Variants in order of preference: name -> (source, the CPU flags it needs).
 VARIANTS = {
     "avx512": (CSRC / "loom_kernels.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
@@ -49,7 +50,8 @@ def cpu_variant() -> str | None:
 
 def _build_dir(source: Path) -> Path:
     flags = " ".join(sorted(cpu_flags()))
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    code = source.read_bytes() + HOST_HEADER.read_bytes()
+    key = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom"))
     return root / "kernels" / key
 
