@@ -118,6 +118,7 @@ class RunnerOutput:
     sampled: dict[str, list[int]]                        # req_id -> new tokens
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     drafts: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> draft for its next step
+    dead_ends: list[str] = field(default_factory=list)  # grammar admits no token of the vocabulary: ended
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json as _json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,78 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's shape): exactly one of
+
+    json: a JSON Schema (a dict or its JSON text): the output is one JSON value it validates;
+    regex: the output matches this regular expression;
+    choice: the output is one of these strings;
+    grammar: an EBNF grammar (GBNF, as llama.cpp writes it; `root` is the start rule);
+    json_object: True: the output is any JSON object;
+    structural_tag: an xgrammar structural tag (a dict or its JSON text): free text with
+        constrained regions between begin/end tags.
+
+    The constraint is compiled when the request is added (an error names the field and the
+    compiler's message) and applied as a token mask at every sampling step.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _fail("structured_outputs", {k: getattr(self, k) for k in given},
+                        f"exactly one of {', '.join(self.KINDS)}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _fail("structured_outputs.json", self.json, "a JSON Schema (an object or its JSON text)")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise _fail("structured_outputs.structural_tag", self.structural_tag, "an object or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _fail(f"structured_outputs.{name}", value, "a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise _fail("structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is not None:
+            _flag("structured_outputs.json_object", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints share one compiled grammar."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = _json.dumps(value, sort_keys=True)
+        elif isinstance(value, tuple):
+            value = _json.dumps(list(value))
+        return self.kind, str(value)
+
+    @classmethod
+    def create(cls, value: "StructuredOutputsParams | dict | None") -> "StructuredOutputsParams | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise _fail("structured_outputs", value, "a StructuredOutputsParams or a dict")
+        unknown = sorted(set(value) - set(cls.KINDS))
+        if unknown:
+            raise InvalidRequestError(f"unknown structured_outputs key(s) {', '.join(map(repr, unknown))} "
+                                      f"(known: {', '.join(cls.KINDS)})")
+        return cls(**value)
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completion of one request (vLLM-compatible subset).
@@ -93,6 +166,7 @@ class SamplingParams:
         the k most probable alternatives (at most 20).
     skip_special_tokens: leave special tokens out of the detokenized text.
     spaces_between_special_tokens: put spaces between adjacent special tokens in the text.
+    structured_outputs: a constraint on the output (`StructuredOutputsParams`, or a dict of it).
     """
 
     n: int = 1
@@ -114,6 +188,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, "an integer >= 1")
@@ -170,6 +245,10 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             _flag(name, getattr(self, name))
+        self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            # a grammar ends where it ends: past its end only a stop token is allowed
+            raise InvalidRequestError("structured_outputs cannot be combined with ignore_eos or min_tokens > 0")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

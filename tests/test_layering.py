@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"sampling_params", "config", "outputs"},
     {"contracts"},
     {"kernels", "loader", "kv", "sample"},
+    {"structured"},
     {"model"},
     {"speculative"},
     {"engine"},

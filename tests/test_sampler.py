@@ -435,3 +435,15 @@ def test_draw_two_levels_matches_a_full_running_sum():
                 lo, hi = sorted((int(got[r]), int(want[r])))
                 assert abs(float(cdf[r, lo] - target[r])) <= 1e-6 * float(cdf[r, -1]), (V, r)
         assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
+
+
+def test_a_penalty_that_rounds_to_zero_still_draws_a_real_token():
+    """repetition_penalty=5e-324 is 0 in float32: the repeated token's logit becomes +inf; it is
+    drawn, never an id of -1 from a NaN distribution."""
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    logits[:, 7], logits[:, 9] = 2.0, 3.0     # positive: divided by the penalty
+    params = [SamplingParams(repetition_penalty=5e-324, seed=1), SamplingParams(repetition_penalty=1e300, seed=2)]
+    batch = SamplingBatch.build(params, generators=[request_generator(p) for p in params],
+                                prompt_ids=[[7, 9], [7, 9]], output_ids=[[], []], banned=[(), ()])
+    tokens = Sampler(0)(logits, batch).token_ids.tolist()
+    assert tokens[0] in (7, 9) and 0 <= tokens[1] < 300

@@ -25,6 +25,7 @@ from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
 from loom.speculative.decoder import SpecDecoder
 from loom.speculative.drafters import DraftEnv
+from loom.structured import StructuredOutputs
 
 log = logging.getLogger("loom")
 
@@ -59,8 +60,9 @@ class Engine:
                                  num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.spec = self._speculative_decoder(num_blocks)
+        self.structured = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
-                                  seed=config.seed, spec=self.spec)
+                                  seed=config.seed, spec=self.spec, structured=self.structured)
         if self.spec is not None and config.speculative.adaptive:
             self.spec.calibrate(self.runner.timed_forward, config.scheduler.max_num_seqs)
         self.outputs: dict[str, OutputState] = {}
@@ -106,6 +108,8 @@ class Engine:
         # A validated private copy: fields assigned after construction are checked too, and the
         # caller changing its object later cannot change a running request.
         params = params.clone()
+        if params.structured_outputs is not None:   # compiled (and cached) now: a bad one is refused here
+            self.structured.compile(params.structured_outputs)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         text, ids = self._tokenize(prompt)

@@ -147,8 +147,14 @@ class Tokenizer:
                  eos_token_id: int | None, pad_token_id: int | None, unk_token_id: int | None,
                  add_bos: bool, add_eos: bool, stop_token_ids: frozenset[int],
                  special_token_ids: frozenset[int], chat_template: str | None,
-                 named_tokens: dict[str, str] | None = None):
+                 named_tokens: dict[str, str] | None = None, raw_tokens: Sequence[str] = (),
+                 vocab_kind: str = "byte_level"):
         self._backend = backend
+        # The vocabulary as the file spells it, and how its pieces map to bytes: "byte_level"
+        # (GPT-2 byte-to-unicode, 'Ġ' for a space) or "byte_fallback" (SentencePiece: '▁' for a
+        # space, <0xNN> pieces for raw bytes). Grammar engines read these to build token masks.
+        self.raw_tokens = list(raw_tokens)
+        self.vocab_kind = vocab_kind
         self.name = name
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
@@ -241,7 +247,8 @@ class Tokenizer:
                    stop_token_ids=frozenset(stops), special_token_ids=frozenset(special),
                    chat_template=template if isinstance(template, str) and template else None,
                    named_tokens={f"{k}_token": tokens[i] for k, i in
-                                 (("bos", bos), ("eos", eos), ("unk", unk), ("pad", pad)) if i is not None})
+                                 (("bos", bos), ("eos", eos), ("unk", unk), ("pad", pad)) if i is not None},
+                   raw_tokens=tokens, vocab_kind="byte_level" if kind == "gpt2" else "byte_fallback")
 
     # -- text <-> ids ------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -24,6 +24,7 @@ from loom.model.kv_cache import KVCacheTensors
 from loom.model.layers.attention import AttentionMetadata, tree_attention_mask
 from loom.sample.sampler import Sampler, SamplingBatch, argmax_rows, request_generator
 from loom.sampling_params import SamplingParams
+from loom.structured import GrammarMatcher, StructuredOutputs
 
 
 @dataclass
@@ -33,6 +34,7 @@ class _ReqState:
     generator: torch.Generator | None
     banned_until_min: tuple[int, ...]        # ids banned while output < min_tokens
     output_token_ids: list[int] = field(default_factory=list)
+    matcher: GrammarMatcher | None = None    # structured output: the grammar's position
 
     @property
     def plain_greedy(self) -> bool:
@@ -48,7 +50,8 @@ class ModelRunner:
     never the runner itself."""
 
     def __init__(self, model, num_blocks: int, block_size: int, stop_token_ids: frozenset[int],
-                 kv_dtype: torch.dtype = torch.float32, seed: int = 0, spec=None):
+                 kv_dtype: torch.dtype = torch.float32, seed: int = 0, spec=None,
+                 structured: StructuredOutputs | None = None):
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         self.vocab_size = model.cfg.vocab_size
         self.stop_token_ids = stop_token_ids
@@ -56,6 +59,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.states: dict[str, _ReqState] = {}
         self.spec = spec
+        self.structured = structured   # compiles constraints into per-request grammar matchers
         self.spec_host = SpecHost(sample=self._sample, probs=self._probs, request=self.states.__getitem__,
                                   commit=self._commit, move_kv=self.kv.move_slots,
                                   generator=self.sampler.generator)
@@ -74,7 +78,9 @@ class ModelRunner:
             p = new.params
             banned = () if p.min_tokens == 0 else tuple(sorted(
                 set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.stop_token_ids))))
-            self.states[new.req_id] = _ReqState(p, new.prompt_token_ids, request_generator(p), banned)
+            matcher = None if p.structured_outputs is None else self.structured.matcher(p.structured_outputs)
+            self.states[new.req_id] = _ReqState(p, new.prompt_token_ids, request_generator(p), banned,
+                                                matcher=matcher)
         if not out.seqs:
             return RunnerOutput({})
         self.kv.copy_blocks(out.block_copies, self.block_size)
@@ -104,8 +110,28 @@ class ModelRunner:
         self.model.compute_logits(hidden)
         return time.perf_counter() - t0
 
+    def _mask_constrained(self, logits: torch.Tensor, req_ids: list[str], states: list[_ReqState]) -> set[str]:
+        """Masks the rows of requests with a grammar; returns the ids of those whose grammar admits
+        no token at all (it needs a character no token of this vocabulary spells)."""
+        matchers = [st.matcher for st in states]
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return set()
+        self.structured.mask_rows(logits, matchers)
+        stuck = torch.isneginf(logits[rows]).all(dim=1).tolist()
+        return {req_ids[i] for i, s in zip(rows, stuck) if s}
+
     def _commit(self, req_id: str, tokens: list[int]) -> None:
-        self.states[req_id].output_token_ids.extend(tokens)
+        st = self.states[req_id]
+        for tok in tokens:
+            self._take(st, tok)
+
+    @staticmethod
+    def _take(st: _ReqState, token: int) -> None:
+        """A sampled or accepted token joins the request's output (and advances its grammar)."""
+        st.output_token_ids.append(token)
+        if st.matcher is not None and not st.matcher.is_terminated():
+            st.matcher.accept(token)
 
     def _probs(self, logits: torch.Tensor, req_id: str) -> torch.Tensor:
         """One request's sampling distribution at each of `logits`' rows [R, V]."""
@@ -125,16 +151,22 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
         states = [self.states[r] for r in req_ids]
+        dead = self._mask_constrained(logits, req_ids, states)
+        if dead:
+            keep = [i for i, rid in enumerate(req_ids) if rid not in dead]
+            out = self._sample(logits[keep], [req_ids[i] for i in keep]) if keep else RunnerOutput({})
+            out.dead_ends.extend(sorted(dead))
+            return out
         if all(st.plain_greedy for st in states):  # the common case, without building a sampling batch
             tokens = argmax_rows(logits).tolist()
             for st, tok in zip(states, tokens):
-                st.output_token_ids.append(tok)
+                self._take(st, tok)
             return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, tokens)}, {})
         res = self.sampler(logits, self.sampling_batch(req_ids))
         tokens = res.token_ids.tolist()
         sampled, logprobs = {}, {}
         for i, (rid, st, tok) in enumerate(zip(req_ids, states, tokens)):
-            st.output_token_ids.append(tok)
+            self._take(st, tok)
             sampled[rid] = [tok]
             k = st.params.logprobs
             if k is not None and res.logprobs is not None:

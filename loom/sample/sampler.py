@@ -26,6 +26,8 @@ generator share one draw from the sampler's generator.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -412,6 +414,9 @@ class Sampler:
         """The distribution each non-greedy row draws from (step 5 of the module doc, without the
         draw); `logits` are the batch's `rows`, modified in place."""
         logits.div_(batch.temperature[rows].unsqueeze(1))
+        # extreme parameters (a repetition penalty of 5e-324 is 0 in float32) can leave +inf or
+        # NaN here; +inf is the largest finite logit and NaN none, so softmax stays a distribution
+        torch.nan_to_num_(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max)
 
         top_k, top_p = batch.top_k[rows], batch.top_p[rows]
         if not (batch.no_top_k and batch.no_top_p):

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loom.engine.engine import QueueFullError
 from loom.errors import LoomError
-from loom.server.protocol import ErrorInfo, ErrorResponse
+from loom.server.protocol import IGNORED_FIELDS, ErrorInfo, ErrorResponse
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -98,6 +98,11 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if kind == "missing":
             return "the request needs a JSON object body (Content-Type: application/json)", None
         return "the request body must be a JSON object (sent with Content-Type: application/json)", None
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:   # a field loom does not implement is refused, never silently ignored
+        param = _param_of(tuple(unknown[0].get("loc", ())))
+        return (f"unknown field '{param}': loom does not implement it (fields accepted but ignored because they "
+                f"cannot change the output: {', '.join(IGNORED_FIELDS)})"), param
     # A union reports one error per member. The members that got furthest into the value
     # say the most ("at least 1 character" beats "not a string"); if several got equally
     # far, say what each wanted.

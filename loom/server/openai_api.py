@@ -39,7 +39,7 @@ import loom
 from loom.engine.async_engine import AsyncEngine
 from loom.errors import LoomError, TokenizerError
 from loom.outputs import RequestOutput
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
 from loom.server.errors import INVALID_REQUEST, ApiError, ClientDisconnected, install_error_handlers
 from loom.server.limits import BodySizeLimit
@@ -120,6 +120,31 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
+def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint: `response_format` (json_object, json_schema) or vLLM's
+    `structured_outputs`; both at once is a 400."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise ApiError(400, "give response_format or structured_outputs, not both", param="structured_outputs",
+                       code="invalid_value")
+    if so is not None:
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                 "json_object": so.json_object, "structural_tag": so.structural_tag}
+        return StructuredOutputsParams(**{k: v for k, v in given.items() if v is not None})
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise ApiError(400, "response_format.json_schema needs type 'json_schema'",
+                           param="response_format.json_schema", code="invalid_value")
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None:
+        raise ApiError(400, "response_format of type 'json_schema' needs a json_schema object",
+                       param="response_format.json_schema", code="invalid_value")
+    schema = fmt.json_schema.schema_
+    return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+
+
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
     if m.content is None:
         content = ""
@@ -173,7 +198,7 @@ class OpenAIServing:
             repetition_penalty=given(body.repetition_penalty, 1.0), seed=body.seed, stop=body.stop,
             stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens)
+            skip_special_tokens=body.skip_special_tokens, structured_outputs=_constraint(body))
 
     # -- running a group ---------------------------------------------------------------------
     @staticmethod

@@ -6,8 +6,10 @@ integral float (``2.0``) counts as an integer, as in JSON Schema. Ranges
 declared here appear in ``/openapi.json``; `SamplingParams` validates the same values
 again when the request is turned into sampling parameters.
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send newer
-OpenAI options still work. Fields marked "extension" are vLLM / loom additions.
+A field loom does not implement is a 400 naming it, never silently dropped (a client must not
+believe an option was honoured when it was not). The fields of `IGNORED_FIELDS` are accepted
+and ignored: they cannot change what is generated. Fields marked "extension" are vLLM / loom
+additions.
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 FinishReason = Literal["stop", "length", "abort"]
 
 
+# Accepted and ignored: bookkeeping fields of the OpenAI API that cannot change the output.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class _Response(BaseModel):
@@ -100,6 +106,31 @@ class LoomOptions(_Request):
     return_children: bool = Field(False, description="With aggregate: also return every choice.")
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema", description="The JSON Schema; omitted means any JSON object.")
+    strict: bool | None = Field(None, description="Accepted: loom always constrains the output to the schema.")
+
+
+class ResponseFormat(_Request):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """Extension (vLLM's `structured_outputs`): exactly one constraint on the output."""
+
+    json_: dict | str | None = Field(None, alias="json", description="A JSON Schema.")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = Field(None, description="An EBNF (GBNF) grammar; `root` is the start rule.")
+    json_object: bool | None = None
+    structural_tag: dict | str | None = Field(None, description="An xgrammar structural tag.")
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -117,7 +148,16 @@ class SamplingFields(_Request):
     n: ChoiceCount = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, description="Accepted and ignored.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    store: bool | None = Field(None, description="Accepted and ignored (loom stores nothing).")
+    service_tier: str | None = Field(None, description="Accepted and ignored.")
+    prompt_cache_key: str | None = Field(None, description="Accepted and ignored (loom's prefix cache is automatic).")
+    safety_identifier: str | None = Field(None, description="Accepted and ignored.")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema constrain the "
+                                                                    "output to JSON.")
+    structured_outputs: StructuredOutputsRequest | None = Field(None, description="Extension: json, regex, "
+                                                                "choice, grammar, json_object or structural_tag.")
     priority: Priority = Field(0, description="Extension: lower values are scheduled first.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     min_tokens: Count = Field(0, description="Extension: no stop before this many tokens.")

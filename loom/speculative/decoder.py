@@ -16,8 +16,9 @@ slots base+0, base+2, base+4 but belongs at positions root+1..root+3 = slots bas
     before  [n0]    n1      [n2]    n3      [n4]        accepted: n0, n2, n4
     after   n0      n2      n4      (rolled back by the scheduler's trim)
 
-Requests that use penalties, logprobs, or have not reached min_tokens are never drafted
-for: their next-token rule depends on state the verifier does not replay.
+Requests that use penalties, logprobs, a grammar (structured output), or have not reached
+min_tokens are never drafted for: their next-token rule depends on state the verifier does not
+replay.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class SpecStats:
 
 def eligible(params, num_output: int) -> bool:
     return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and num_output >= params.min_tokens)
+            and params.repetition_penalty == 1 and num_output >= params.min_tokens
+            and params.structured_outputs is None)
 
 
 class SpecDecoder:

@@ -1,0 +1,71 @@
+"""Compiles and caches constraints; builds matchers and batch masks for the runner."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from loom.errors import InvalidRequestError
+from loom.sampling_params import StructuredOutputsParams
+from loom.structured.base import BACKENDS, GrammarBackend, GrammarMatcher, VocabInfo
+
+# Compiled grammars kept (least recently used dropped first).
+CACHE_SIZE = 128
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer, vocab_size: int, backend: str = "xgrammar"):
+        if backend not in BACKENDS:
+            raise InvalidRequestError(f"unknown structured output backend {backend!r} "
+                                      f"(known: {', '.join(sorted(BACKENDS))})")
+        self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
+        self._backend: GrammarBackend | None = None
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """Built on first use: the tokenizer tables cost time a server without constrained
+        requests need not pay at start-up."""
+        if self._backend is None:
+            tok = self._tokenizer
+            special = set(tok.special_token_ids)
+            tokens = tuple("" if i in special else t for i, t in enumerate(tok.raw_tokens))
+            vocab = VocabInfo(tokens, tok.vocab_kind, self._vocab_size, tuple(sorted(tok.stop_token_ids)))
+            self._backend = BACKENDS[self._backend_name](vocab)
+        return self._backend
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of `spec` (cached); InvalidRequestError naming the field if it
+        does not compile."""
+        key = spec.key()
+        compiled = self._cache.get(key)
+        if compiled is None:
+            try:
+                compiled = self.backend.compile(spec)
+            except ValueError as e:
+                raise InvalidRequestError(f"structured_outputs.{spec.kind} does not compile: {e}") from None
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return compiled
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        return self.backend.matcher(self.compile(spec))
+
+    def mask_rows(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+        """Masks row i of `logits` [R, V] by matchers[i] (None: unconstrained), in place."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        mask = self.backend.allocate_mask(len(rows))
+        for j, i in enumerate(rows):
+            matchers[i].fill_mask(mask, j)
+        if len(rows) == logits.shape[0]:
+            self.backend.apply_mask(logits, mask)
+            return
+        sub = logits[rows]
+        self.backend.apply_mask(sub, mask)
+        logits[rows] = sub

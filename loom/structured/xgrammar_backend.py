@@ -1,0 +1,78 @@
+"""The xgrammar backend: JSON Schema, regex, choice, EBNF (GBNF) grammars and structural tags,
+compiled to a pushdown automaton whose token masks come from a precomputed per-state cache."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from loom.sampling_params import StructuredOutputsParams
+from loom.structured.base import GrammarBackend, GrammarMatcher, VocabInfo, register
+
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def fill_mask(self, mask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(mask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def fork(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._m.fork())
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+@register("xgrammar")
+class XGrammarBackend(GrammarBackend):
+    def __init__(self, vocab: VocabInfo):
+        super().__init__(vocab)
+        import xgrammar as xgr   # ~2 s to import: paid by the first constrained request, not at start-up
+
+        self._xgr = xgr
+        kind = {"byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK}[vocab.kind]
+        info = xgr.TokenizerInfo(list(vocab.tokens), kind, vocab_size=vocab.vocab_size,
+                                 stop_token_ids=list(vocab.stop_token_ids), add_prefix_space=False)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        c, kind, xgr = self._compiler, spec.kind, self._xgr
+        try:
+            if kind == "json":
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return c.compile_json_schema(schema, any_whitespace=False)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return c.compile_regex(spec.regex)
+            if kind == "choice":
+                return c.compile_grammar(_choice_grammar(spec.choice))
+            if kind == "grammar":
+                return c.compile_grammar(spec.grammar)
+            tag = spec.structural_tag if isinstance(spec.structural_tag, str) else json.dumps(spec.structural_tag)
+            return c.compile_structural_tag(tag)
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
+            raise ValueError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+
+    def matcher(self, compiled: Any) -> XGrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+    def allocate_mask(self, rows: int) -> torch.Tensor:
+        return self._xgr.allocate_token_bitmask(rows, self.vocab.vocab_size)
+
+    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab.vocab_size)

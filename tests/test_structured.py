@@ -1,0 +1,226 @@
+"""Structured output: grammar-constrained decoding in the engine and through the OpenAI API."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from loom_server import LoomServer
+
+from loom import LLM, SamplingParams
+from loom.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.errors import InvalidRequestError
+from loom.loader.gguf import GGUFFile
+from loom.loader.tokenizer import Tokenizer
+from loom.model.build import load_model
+from loom.sampling_params import StructuredOutputsParams
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_parts(tiny_llama_path):
+    f = GGUFFile.open(tiny_llama_path)
+    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
+
+
+@pytest.fixture
+def make_tiny(tiny_engine_parts):
+    path, model, tok = tiny_engine_parts
+
+    def make(**options) -> Engine:
+        opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64) | options
+        return Engine(EngineConfig.create(str(path), **opts), model=model, tokenizer=tok)
+
+    return make
+
+
+def run(engine: Engine, prompts, params) -> list:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [finals[i] for i in ids]
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({"choice": []}, "non-empty list"),
+    ({"json": 3}, "JSON Schema"),
+    ({"jsonschema": {}}, "unknown structured_outputs key"),
+])
+def test_bad_constraints_are_refused_naming_the_field(bad, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(structured_outputs=bad)
+
+
+def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
+    engine = make_tiny()
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs.regex does not compile"):
+        engine.add_request("hi", SamplingParams(structured_outputs={"regex": "a(b"}))
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs.grammar does not compile"):
+        engine.add_request("hi", SamplingParams(structured_outputs={"grammar": "root ::= undefined_rule"}))
+    with pytest.raises(InvalidRequestError, match="ignore_eos or min_tokens"):
+        SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
+    assert not engine.has_unfinished_requests()
+
+
+# -- the engine (tiny random model: only the grammar makes its output well-formed) -----------------
+
+
+def test_regex_and_choice_hold_for_greedy_and_sampled_rows_in_one_batch(make_tiny):
+    engine = make_tiny()
+    regex = StructuredOutputsParams(regex=r"[ab]{3}-\d{2}")
+    choice = StructuredOutputsParams(choice=["left", "right", "straight on"])
+    params = [SamplingParams(max_tokens=32, temperature=0, structured_outputs=regex),
+              SamplingParams(max_tokens=32, temperature=1.0, seed=7, structured_outputs=regex),
+              SamplingParams(max_tokens=32, temperature=0.8, seed=3, structured_outputs=choice),
+              SamplingParams(max_tokens=12, temperature=0)]        # unconstrained, same batch
+    outs = run(engine, ["one", "two", "three", "four"], params)
+    for out in outs[:2]:
+        assert re.fullmatch(r"[ab]{3}-\d{2}", out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+    assert outs[2].outputs[0].text in ("left", "right", "straight on")
+    alone = run(make_tiny(), ["four"], [params[3]])[0]
+    assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids   # the masks touch only their rows
+
+
+def test_n_children_each_follow_the_grammar(make_tiny):
+    engine = make_tiny()
+    out = run(engine, ["pick"], [SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=11,
+                                                structured_outputs={"choice": ["red", "green", "blue"]})])[0]
+    assert len(out.outputs) == 4
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_max_tokens_inside_a_structure_ends_with_length_and_the_partial_text(make_tiny):
+    engine = make_tiny()
+    out = run(engine, ["x"], [SamplingParams(max_tokens=3, temperature=0,
+                                             structured_outputs={"regex": r"\[(a, ){20}a\]"})])[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert "[a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a]".startswith(out.outputs[0].text)
+
+
+def test_preemption_with_recompute_keeps_the_grammar_state(make_tiny):
+    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"regex": r"(ab|ba){10}"})
+    roomy = run(make_tiny(), ["p0", "p1", "p2"], [params] * 3)
+    tight = make_tiny(num_blocks=14)   # 3 sequences of ~22 tokens in 4-token blocks: someone is preempted
+    squeezed = run(tight, ["p0", "p1", "p2"], [params] * 3)
+    assert tight.scheduler.stats.num_preemptions > 0
+    for a, b in zip(roomy, squeezed):
+        assert a.outputs[0].text == b.outputs[0].text
+        assert re.fullmatch(r"(ab|ba){10}", a.outputs[0].text)
+
+
+def test_speculative_decoding_never_drafts_for_a_constrained_request(tiny_llama_path, tiny_engine_parts):
+    _, model, tok = tiny_engine_parts
+    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": r"(xy){6}"})
+    plain = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4), model=model, tokenizer=tok)
+    spec = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4,
+                                      speculative_config={"method": "prompt_lookup", "adaptive": False}),
+                  model=model, tokenizer=tok)
+    prompt = "xyxyxyxyxyxyxyxy"   # prompt lookup would propose continuations of this
+    a, b = run(plain, [prompt], [params])[0], run(spec, [prompt], [params])[0]
+    assert a.outputs[0].text == b.outputs[0].text == "xy" * 6
+    assert spec.spec.stats.num_draft_tokens == 0
+
+
+# -- a real model: JSON that validates ---------------------------------------------------------------
+
+
+@pytest.mark.real_model
+def test_json_schema_outputs_validate_on_smollm2():
+    llm = LLM("smollm2-135m")
+    prompts = ["Describe a person as JSON:", "A traveller, in JSON:", "Here is a JSON record:"]
+    params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": PERSON}),
+              SamplingParams(max_tokens=80, temperature=0.9, seed=5, structured_outputs={"json": PERSON}),
+              SamplingParams(max_tokens=80, temperature=0.7, seed=2, structured_outputs={"json_object": True})]
+    outs = llm.generate(prompts, params)
+    for out in outs[:2]:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert outs[2].outputs[0].finish_reason == "stop"
+    assert isinstance(json.loads(outs[2].outputs[0].text), dict)
+
+
+# -- the OpenAI API ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real(server_pool) -> LoomServer:
+    return server_pool.get("real")
+
+
+@pytest.fixture(scope="module")
+def tiny(server_pool) -> LoomServer:
+    return server_pool.get("tiny")
+
+
+@pytest.mark.real_model
+def test_response_format_json_schema_and_json_object(real: LoomServer) -> None:
+    client = openai.OpenAI(base_url=real.base_url, api_key="none")
+    messages = [{"role": "user", "content": "Invent a person and give their name, age and city."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = client.chat.completions.create(model="smollm2-135m", messages=messages, response_format=fmt,
+                                          max_completion_tokens=80, temperature=0)
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(model="smollm2-135m", messages=messages, response_format=fmt,
+                                            max_completion_tokens=80, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+    comp = client.completions.create(model="smollm2-135m", prompt="A JSON object:", max_tokens=60, temperature=0.8,
+                                     seed=1, extra_body={"response_format": {"type": "json_object"}})
+    assert comp.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(comp.choices[0].text), dict)
+
+
+def test_structured_outputs_field_on_both_endpoints(tiny: LoomServer) -> None:
+    client = openai.OpenAI(base_url=tiny.base_url, api_key="none")
+    comp = client.completions.create(model="tiny-llama", prompt="go", max_tokens=16, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": r"\d{4}"}})
+    assert re.fullmatch(r"\d{4}", comp.choices[0].text)
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "?"}],
+                                          max_completion_tokens=16, temperature=0.5, seed=2,
+                                          extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert chat.choices[0].message.content in ("yes", "no")
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unknown field 'tools'"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "unknown field 'logit_bias'"),
+    ({"frobnicate": True}, "frobnicate", "does not implement it"),
+    ({"structured_outputs": {"regex": "a(b"}}, None, "structured_outputs.regex does not compile"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs a json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", ""),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "not both"),
+])
+def test_what_loom_cannot_honour_is_a_400_naming_it(tiny: LoomServer, body, param, words) -> None:
+    r = httpx.post(f"{tiny.url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_fields_that_cannot_change_the_output_are_accepted(tiny: LoomServer) -> None:
+    r = httpx.post(f"{tiny.url}/v1/completions",
+                   json={"prompt": "hi", "max_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "store": False,
+                         "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s"}, timeout=30)
+    assert r.status_code == 200, r.text
