@@ -4,8 +4,8 @@
         [--concurrency 8,32] [--repeats 2] [--max-tokens 64] [--json out.json]
 
 Starts every server at once (one port each), then for each repeat and each concurrency runs
-`loom bench --server URL --rates max --num-requests N` against each server in turn, and one
-`loom bench --peers loom` (the engine alone) per repeat. CPU% is the server's process tree
+`loom bench --server URL --rates max --num-requests N` against each server in turn, then the
+engine alone (`engine_alone`: an Engine in a child process, no HTTP) on the same N requests. CPU% is the server's process tree
 (front end + engine process), of 100% per core: the median of 0.5 s slices while loaded.
 """
 
@@ -78,7 +78,48 @@ class CpuSampler:
         return busy[len(busy) // 2] if busy else (0.0, 0.0)
 
 
+def engine_alone(model: str, n: int, max_tokens: int, warm: bool = True) -> dict:
+    """The engine alone (no HTTP) on the load generator's own requests: the first n Spec-Bench
+    prompts (round-robin, cut to 1000 characters) as chat messages, greedy, max_tokens, prefix
+    caching off, all submitted at once after one warm-up request; tok/s over the same span."""
+    from loom.bench.prompts import load_spec_bench
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+    from loom.sampling_params import SamplingParams
+
+    prompts = [p[:1000] for p in load_spec_bench(Path(PROMPTS))]
+    engine = Engine(EngineConfig.create(model, enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+
+    def run(texts: list[str]) -> dict:
+        ids = [engine.tokenizer.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True)
+               for t in texts]
+        t0 = time.perf_counter()
+        for x in ids:
+            engine.add_request({"prompt_token_ids": x}, params)
+        first, last, counts = {}, {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                k = len(out.outputs[0].token_ids)
+                if k and out.request_id not in first:
+                    first[out.request_id] = now
+                last[out.request_id], counts[out.request_id] = now, k
+        wall = max(last.values()) - t0
+        tpot = sorted((last[r] - first[r]) / (counts[r] - 1) for r in counts if counts[r] > 1)
+        ttft = sorted(first[r] - t0 for r in first)
+        return {"tok_s": sum(counts.values()) / wall, "ttft_p50": 1000 * ttft[len(ttft) // 2],
+                "tpot_p50": 1000 * tpot[len(tpot) // 2]}
+
+    if warm:
+        run(prompts[-1:])
+    return {"who": "engine", "n": n, **run(prompts[:n])}
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--engine-alone":  # a child run: model n max_tokens
+        print(json.dumps(engine_alone(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", action="append", required=True, help="LABEL=WORKTREE[:extra serve args]")
     ap.add_argument("--model", default="smollm2-135m")
@@ -129,13 +170,13 @@ def main() -> None:
                            "errors": lv["errors"]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-            out = Path(tempfile.mkstemp(suffix=".json")[1])
-            subprocess.run([sys.executable, "-m", "loom", "bench", "--peers", "loom", "--concurrency",
-                            args.concurrency, "--max-tokens", str(args.max_tokens), "--decode-tokens", "16",
-                            "--prefill-tokens", "64", "--prompts", PROMPTS, "--json", str(out)], check=True, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-            rows.append({"rep": rep, "who": "engine", "report": json.loads(out.read_text())})
-            print(json.dumps({"rep": rep, "who": "engine", "file": str(out)}), flush=True)
+            for n in levels:
+                done = subprocess.run([sys.executable, __file__, "--engine-alone", args.model, str(n),
+                                       str(args.max_tokens)], check=True, capture_output=True, text=True,
+                                      env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                row = {"rep": rep, **json.loads(done.stdout.strip().splitlines()[-1])}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
         for p, _, _ in servers.values():
             p.terminate()
