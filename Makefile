@@ -38,9 +38,18 @@ serve: install
 	$(BIN)/loom pull $(MODEL)
 	$(BIN)/loom serve $(MODEL) --host $(HOST) --port $(PORT)
 
+# The whole suite with the CPU's preferred kernels, then the kernel and invariance tests again
+# with every other variant it runs (LOOM_KERNELS=avx2 on an AVX-512 machine).
+VARIANT_TESTS ?= tests/test_kernels.py tests/test_engine.py tests/test_spec.py
+
 test: models browser
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi; exit $$rc
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	for v in $$($(BIN)/python -c "from loom import kernels; print(*kernels.supported_variants()[1:])"); do \
+	  echo "== kernel and invariance tests with LOOM_KERNELS=$$v"; \
+	  LOOM_KERNELS=$$v $(BIN)/python -m pytest -q $(VARIANT_TESTS) || exit $$?; \
+	done
 
 bench: install
 	$(BIN)/loom bench

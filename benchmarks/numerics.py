@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from loom import LLM, SamplingParams
 from loom.loader.gguf import GGUFFile
-from loom.model.loader import load_model
-from loom.model.runner import score
 from loom.loader.registry import resolve_model
+from loom.model.build import load_model
+from loom.model.runner import score
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 

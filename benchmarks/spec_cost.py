@@ -2,7 +2,7 @@
 
 An engine with speculative decoding times forward passes (output matrix included) of B
 sequences carrying k draft tokens each, at a short and a long context, before it serves
-anything (loom.spec.decoder.SpecDecoder.calibrate). This prints those timings and their
+anything (loom.speculative.decoder.SpecDecoder.calibrate). This prints those timings and their
 ratio to the pass without drafts: with tokens per step T at k drafts, speculation can gain
 at most T / ratio(k) in that forward pass.
 
@@ -15,7 +15,7 @@ import argparse
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
-from loom.spec.decoder import CALIBRATION_CONTEXTS
+from loom.speculative.decoder import CALIBRATION_CONTEXTS
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine(EngineConfig.create(args.model, threads=args.threads, num_blocks=2048, block_size=16,
                                         max_num_seqs=8, speculative_config={"method": "prompt_lookup"}))
-    calib = engine.runner.spec.controller.cost.calib
+    calib = engine.spec.controller.cost.calib
     for ctx in CALIBRATION_CONTEXTS:
         if ctx not in calib:
             continue

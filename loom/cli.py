@@ -143,37 +143,44 @@ def bench(
     """Measure loom and its peers in one run on the same GGUF and thread count, each engine in its own
     process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time.
     With --server URL: a load test of a running server from this process."""
-    if server is not None:
+    if server is not None:  # three modes: a load test of a server, speculative decoding, the peer suites
         from loom.bench.load_command import run_load_command
 
         run_load_command(server, model=model, rates=rates, num_requests=num_requests, duration=duration,
                          max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path, plot=plot,
                          out=out, err=err)
         return
-    from loom.bench.harness import BenchRequest, run_bench
-    from loom.bench.peers import parse_peers
     from loom.bench.prompts import SPEC_BENCH_PATH
-    from loom.bench.report import print_report, write_json
-    from loom.bench.settings import BenchError, BenchSettings
     from loom.config import physical_cores
 
+    threads, prompts = threads or physical_cores(), prompts or SPEC_BENCH_PATH
     if spec:
-        _spec_bench(model, threads or physical_cores(), prompts or SPEC_BENCH_PATH, quick, dtype, json_path, markdown,
-                    spec_prompts, spec_methods, spec_repeats)
+        _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
+                    spec_repeats)
         return
-    settings = BenchSettings.preset(quick).replace(
-        concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
-        prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
-        parallel_n=_int_list(parallel_n, "--parallel-n"))
+    _peer_bench(model, threads, prompts, peers, dtype, quick, json_path, plot, parallel,
+                concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
+                prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
+                parallel_n=_int_list(parallel_n, "--parallel-n"))
+
+
+def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str | None, quick: bool,
+                json_path: Path | None, plot: Path | None, parallel: bool, **overrides) -> None:
+    """The peer suites: decode, prefill, concurrency (and with --parallel the parallel sampling suites)."""
+    from loom.bench.harness import BenchRequest, run_bench
+    from loom.bench.peers import parse_peers
+    from loom.bench.report import print_report, write_json
+    from loom.bench.settings import BenchSettings
+
+    settings = BenchSettings.preset(quick).replace(**overrides)
     if parallel:
         from loom.bench.suites import PARALLEL_SUITES
 
         wanted = PARALLEL_SUITES if settings.quality_limit else PARALLEL_SUITES[:1]
         settings = settings.replace(suites=settings.suites + tuple(wanted))
     specs = [s.with_option("dtype", dtype) if s.label == "loom" and dtype else s for s in parse_peers(peers)]
-    request = BenchRequest(model=model, peers=specs, settings=settings,
-                           threads=threads or physical_cores(), prompts_path=prompts or SPEC_BENCH_PATH)
-    report = run_bench(request, console=err)
+    report = run_bench(BenchRequest(model=model, peers=specs, settings=settings, threads=threads, prompts_path=prompts),
+                       console=err)
     print_report(report, out)
     if json_path is not None:
         write_json(report, json_path)

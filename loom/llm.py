@@ -10,6 +10,7 @@ from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.outputs import RequestOutput
+from loom.parallel.beam import run_beam_search
 from loom.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8  # shorter batches finish before a bar is worth drawing
@@ -20,7 +21,7 @@ class LLM:
 
     Keyword options are those of the engine config: dtype, threads, block_size,
     kv_cache_memory, num_blocks, enable_prefix_caching, max_num_batched_tokens,
-    max_num_seqs, max_model_len, seed, speculative_config (a dict: see loom.spec.config).
+    max_num_seqs, max_model_len, seed, speculative_config (a dict: see loom.config).
     """
 
     def __init__(self, model: str = "smollm2-135m", **options):
@@ -74,8 +75,6 @@ class LLM:
     def beam_search(self, prompts: str | Sequence, params) -> list:
         """Beam search (or diverse beam search) per prompt with `loom.parallel.beam.BeamSearchParams`;
         returns one `BeamSearchOutput` per prompt, in order, its sequences best first."""
-        from loom.parallel.beam import run_beam_search
-
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return run_beam_search(self.engine, list(prompts), params)

@@ -17,7 +17,6 @@ for _p in (_TESTS.parent, _TESTS):
 
 import tiny_gguf  # noqa: E402
 
-
 # -- tiny GGUF models (written once per session) -------------------------------------------
 
 
@@ -127,7 +126,7 @@ class RealModels:
         if name not in self._loom:
             from loom.loader.gguf import GGUFFile
             from loom.loader.tokenizer import Tokenizer
-            from loom.model.loader import load_model
+            from loom.model.build import load_model
 
             f = GGUFFile.open(real_model_path(name))
             self._loom[name] = (load_model(f), Tokenizer.from_gguf(f))

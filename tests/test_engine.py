@@ -16,9 +16,10 @@ import random
 import pytest
 
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq
 from loom.engine.engine import Engine
 from loom.engine.request import Request, RequestStatus
-from loom.engine.scheduler import NewRequestData, RunnerOutput, ScheduledSeq, Scheduler
+from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
 from loom.model.runner import score
 from loom.sampling_params import SamplingParams
@@ -335,7 +336,7 @@ def test_prompt_tokens_count_single_token_chunks():
 def tiny_parts(tiny_llama_path):
     from loom.loader.gguf import GGUFFile
     from loom.loader.tokenizer import Tokenizer
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     f = GGUFFile.open(tiny_llama_path)
     return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
@@ -722,7 +723,7 @@ def test_prefix_cached_conversations_produce_what_they_produce_alone(make_tiny):
 def test_stream_with_stop_strings_matches_a_reference_on_random_text(tiny_parts):
     """OutputState alone, fed one token at a time: the deltas always add up to the text before the
     first stop string to complete (plus it, with include_stop_str_in_output), never more."""
-    from loom.engine.output import OutputState
+    from loom.engine.detokenize import OutputState
 
     _, _, tok = tiny_parts
     words = [i for i in range(tok.vocab_size)

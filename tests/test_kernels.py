@@ -11,24 +11,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_gguf
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-import tiny_gguf
 from loom import kernels
-from loom.model.cpu import cpu_flags
-from loom.model.layers.attention import AttentionMetadata, paged_attention
+from loom.kernels.cpu import cpu_flags
+from loom.model.layers.attention import AttentionMetadata, paged_attention, tree_attention_mask
 from loom.model.layers.linear import PRE_GEGLU, PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, QuantLinear, make_linear
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.quant import QuantCodes, exact_codes, pack_codes
 from loom.model.weights import LinearWeight
-from loom.spec.tree import tree_attention_mask
 
 # Only a CPU without the instructions of any variant (AVX-512 VNNI, or AVX2 + FMA + F16C)
 # excuses a kernel test; on one that has them, a failed build fails these tests
@@ -39,10 +39,34 @@ needs_kernels = pytest.mark.skipif(all(_missing.values()), reason="this CPU lack
 
 
 @needs_kernels
-def test_the_built_variant_is_the_cpus_first_choice():
+def test_the_built_variant_is_the_one_asked_for():
+    """LOOM_KERNELS unset or auto: the CPU's first choice; avx2 / avx512: that one (make test
+    runs this file once per variant the CPU supports)."""
     assert kernels.load() is not None, kernels.unavailable_reason()
     assert kernels.cpu_variant() in kernels.VARIANTS
-    assert kernels.variant() == kernels.cpu_variant()
+    assert kernels.variant() == kernels.requested_variant()
+    if os.environ.get("LOOM_KERNELS", "auto") in ("auto", "1", ""):
+        assert kernels.variant() == kernels.cpu_variant()
+    else:
+        assert kernels.variant() == os.environ["LOOM_KERNELS"]
+
+
+def test_loom_kernels_switch_names_the_choices_and_the_missing_flags(monkeypatch):
+    avx2_only = frozenset({"avx2", "fma", "f16c"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx2_only)
+    monkeypatch.setenv("LOOM_KERNELS", "avx2")
+    assert kernels.requested_variant() == "avx2"
+    monkeypatch.setenv("LOOM_KERNELS", "auto")
+    assert kernels.requested_variant() == "avx2"
+    assert kernels.supported_variants() == ["avx2"]
+    monkeypatch.setenv("LOOM_KERNELS", "avx512")
+    with pytest.raises(kernels.KernelVariantError, match="lacks avx512f, avx512bw, avx512vl, avx512_vnni"):
+        kernels.requested_variant()
+    monkeypatch.setenv("LOOM_KERNELS", "sse2")
+    with pytest.raises(kernels.KernelVariantError, match="one of auto, avx512, avx2, 0; got 'sse2'"):
+        kernels.requested_variant()
+    monkeypatch.setenv("LOOM_KERNELS", "0")
+    assert kernels.requested_variant() is None
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
@@ -240,7 +264,7 @@ def test_add_rmsnorm():
 
 
 def _logits(path: Path, mode: str, ids: list[int]) -> torch.Tensor:
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
     from loom.model.runner import score
 
     return score(load_model(path, linear=mode), ids)
@@ -249,7 +273,7 @@ def _logits(path: Path, mode: str, ids: list[int]) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_auto_mode_stays_close_to_exact(tmp_path: Path, arch):
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     write = tiny_gguf.write_tiny_llama if arch == "llama" else tiny_gguf.write_tiny_gemma3
     path = write(tmp_path / f"{arch}.gguf", seed=5)   # a mix of F32, F16 and block types
@@ -262,7 +286,7 @@ def test_auto_mode_stays_close_to_exact(tmp_path: Path, arch):
 
 
 def test_auto_mode_falls_back_to_torch_without_kernels(tmp_path: Path, monkeypatch):
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     monkeypatch.setattr(kernels, "_tried", True)
     monkeypatch.setattr(kernels, "_module", None)

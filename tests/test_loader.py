@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_gguf
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-import tiny_gguf
 from loom.errors import ModelLoadError
 from loom.loader.gguf import SUPPORTED_TYPES, GGUFFile
+from loom.model.build import load_model
 
 # Largest error allowed after a round trip through each type, as a fraction of the tensor's
 # largest magnitude (each type's step size with some slack; a transposed or misread tensor
@@ -189,7 +190,7 @@ def test_well_formed_variants_are_valid_gguf(corrupt: dict[str, Path]):
 
 
 def test_unknown_architecture_is_refused_by_model_loader(corrupt: dict[str, Path]):
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     with pytest.raises(ModelLoadError) as info:
         load_model(corrupt["unknown_arch"])
@@ -209,18 +210,34 @@ def test_every_truncation_raises_model_load_error(tiny_gemma3_path: Path, tmp_pa
 
 
 def test_header_bytes_overwritten_never_escape_as_other_errors(tiny_llama_path: Path, tmp_path: Path):
+    """An overwritten header is refused with a ModelLoadError naming the file, or it is harmless:
+    the bytes landed where any value is legal (a metadata value, a string's contents) and the
+    tensor table is unchanged; a changed table is refused when the model is built from it."""
     data = bytearray(tiny_llama_path.read_bytes())
     header_end = tiny_gguf._Layout.read(tiny_llama_path, with_data=False).header_end
+    table = {n: (i.shape, i.qtype, i.offset, i.nbytes) for n, i in GGUFFile.open(tiny_llama_path).tensors.items()}
     rng = np.random.default_rng(5)
     bad = tmp_path / "bad.gguf"
+    refused = harmless = 0
     for pos in sorted(rng.choice(np.arange(4, header_end), 150, replace=False)):
         mutated = bytearray(data)
         mutated[pos:pos + 4] = b"\xff\xff\xff\x7f"
         bad.write_bytes(bytes(mutated))
         try:
-            GGUFFile.open(bad)
-        except ModelLoadError:
-            pass
+            f = GGUFFile.open(bad)
+        except ModelLoadError as e:
+            assert type(e) is ModelLoadError and str(bad) in str(e)
+            refused += 1
+            continue
+        if {n: (i.shape, i.qtype, i.offset, i.nbytes) for n, i in f.tensors.items()} == table:
+            harmless += 1
+            continue
+        with pytest.raises(ModelLoadError) as info:   # a changed tensor table never builds a model
+            load_model(bad)
+        assert type(info.value) is ModelLoadError
+        refused += 1
+    assert refused + harmless == 150
+    assert refused >= 75, f"only {refused} of 150 overwritten headers were refused"
 
 
 def test_missing_path_raises_model_load_error(tmp_path: Path):

@@ -16,21 +16,30 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import tiny_gguf
 import torch
 
-import tiny_gguf
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.contracts import RunnerOutput
 from loom.engine.engine import Engine
+from loom.engine.groups import derive_seed
 from loom.engine.request import Request, RequestStatus
-from loom.engine.scheduler import RunnerOutput, Scheduler
+from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
 from loom.llm import LLM
 from loom.outputs import CompletionOutput
-from loom.parallel.aggregators import (AggregateResult, BestOfN, FirstFinish, MajorityVote, ShortMAtK,
-                                       WeightedMajorityVote, create_aggregator, create_extractor,
-                                       sample_and_aggregate)
+from loom.parallel.aggregators import (
+    AggregateResult,
+    BestOfN,
+    FirstFinish,
+    MajorityVote,
+    ShortMAtK,
+    WeightedMajorityVote,
+    create_aggregator,
+    create_extractor,
+    sample_and_aggregate,
+)
 from loom.parallel.beam import BeamSearchParams
-from loom.parallel.fanout import derive_seed
 from loom.parallel.program import Program
 from loom.sampling_params import SamplingParams
 
@@ -42,7 +51,7 @@ def tiny_parts(tiny_llama_path: Path):
     """The tiny model and tokenizer, loaded once for every engine of this module."""
     from loom.loader.gguf import GGUFFile
     from loom.loader.tokenizer import Tokenizer
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     f = GGUFFile.open(tiny_llama_path)
     return load_model(f), Tokenizer.from_gguf(f)

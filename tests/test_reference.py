@@ -17,15 +17,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-
 import tiny_gguf
+import torch
 from conftest import spec_bench_questions
+
 from loom.llm import LLM
 from loom.loader.gguf import GGUFFile
 from loom.loader.tokenizer import Tokenizer
+from loom.model.build import load_model
 from loom.model.layers.attention import AttentionMetadata
-from loom.model.loader import load_model
 from loom.model.runner import score
 from loom.sampling_params import SamplingParams
 

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from loom.config import EngineConfig
+from loom.contracts import DraftTree
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
+from loom.model.layers.attention import tree_attention_mask
 from loom.sampling_params import SamplingParams
-from loom.spec.controller import SpecController
-from loom.spec.drafters.prompt_lookup import lookup
-from loom.spec.tree import DraftTree, tree_attention_mask
-from loom.spec.verify import verify_greedy, verify_sampled
+from loom.speculative.controller import SpecController
+from loom.speculative.drafters.prompt_lookup import lookup
+from loom.speculative.verify import verify_greedy, verify_sampled
 
 METHODS = ["prompt_lookup", "token_recycling", "lookahead", "draft_model", "auto"]
 
@@ -129,7 +130,7 @@ def tiny_target(tiny_llama_path):
     """Target distributions of the tiny random model: rows after a context and after each
     of a few continuations, at temperature 0.7 and top-k 6 (a handful of likely tokens)."""
     from loom.loader.gguf import GGUFFile
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
     from loom.model.runner import score
     from loom.sample.sampler import Sampler, SamplingBatch
 
@@ -183,7 +184,7 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_target, shape):
 def tiny_parts(tiny_llama_path):
     from loom.loader.gguf import GGUFFile
     from loom.loader.tokenizer import Tokenizer
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     f = GGUFFile.open(tiny_llama_path)
     return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
@@ -339,7 +340,7 @@ def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, cate
 
 
 def test_cost_model_never_estimates_zero_or_below_the_plain_pass():
-    from loom.spec.controller import CostModel
+    from loom.speculative.controller import CostModel
 
     cost = CostModel()
     cost.observe(1, 0, 0.010)
@@ -352,7 +353,7 @@ def test_cost_model_never_estimates_zero_or_below_the_plain_pass():
 
 def test_cost_model_keeps_the_calibrated_price_of_drafts_when_its_plain_average_drifts():
     """A slow moment inflates the learned plain-step cost; a draft then must not look free."""
-    from loom.spec.controller import CostModel
+    from loom.speculative.controller import CostModel
 
     cost = CostModel()
     cost.calibrate(8, 0, 0.015)
@@ -367,7 +368,7 @@ def test_cost_model_keeps_the_calibrated_price_of_drafts_when_its_plain_average_
 def test_cost_model_prices_drafts_at_the_batch_context_length():
     """Draft rows attend over their whole context: a calibration at a short context alone
     would underprice them in a long one (and drafting would then lose)."""
-    from loom.spec.controller import CostModel
+    from loom.speculative.controller import CostModel
 
     cost = CostModel()
     for ctx, plain, drafted in ((64, 0.015, 0.020), (1024, 0.020, 0.040)):
@@ -406,7 +407,7 @@ def test_controller_counts_the_work_each_drafting_sequence_adds_outside_the_forw
 
 
 def test_controller_skips_the_search_for_a_few_steps_after_one_that_found_no_draft_worth_it():
-    from loom.spec.controller import IDLE_REPLAN
+    from loom.speculative.controller import IDLE_REPLAN
 
     ctl = SpecController(8, depth=lambda k: k)
     ctl.cost.observe(8, 0, 0.020)

@@ -147,7 +147,7 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
     from loom.loader.gguf import GGUFFile
     from loom.loader.registry import resolve_model
     from loom.loader.tokenizer import Tokenizer
-    from loom.model.loader import load_model
+    from loom.model.build import load_model
 
     path = resolve_model(model)
     gguf = GGUFFile.open(path)
@@ -173,7 +173,7 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
                 entry = {"single": _loom_run(e, prompts, settings.max_tokens, False),
                          "concurrent": _loom_run(e, batch, settings.max_tokens, True)}
                 if label != "loom":
-                    st = e.runner.spec.stats
+                    st = e.spec.stats
                     entry |= {"num_drafts": st.num_drafts, "num_accepted_tokens": st.num_accepted_tokens}
                 row[label] = _fastest(row.get(label), entry)
         for method in settings.methods:
@@ -193,10 +193,19 @@ def _speedups(row: dict[str, Any], method: str) -> dict[str, float | None]:
     single-stream decode speed over llama.cpp's prompt lookup."""
     m, base = row[method], row["loom"]
     lcpp = row.get("llama.cpp+lookup")
-    return {"single": m["single"]["decode_tok_s"] / base["single"]["decode_tok_s"],
-            "concurrent": m["concurrent"]["decode_tok_s"] / base["concurrent"]["decode_tok_s"],
-            "single_e2e": m["single"]["tok_s"] / base["single"]["tok_s"],
-            "llama.cpp": m["single"]["decode_tok_s"] / lcpp["single"]["decode_tok_s"] if lcpp else None}
+    return {"single": _ratio(m["single"]["decode_tok_s"], base["single"]["decode_tok_s"]),
+            "concurrent": _ratio(m["concurrent"]["decode_tok_s"], base["concurrent"]["decode_tok_s"]),
+            "single_e2e": _ratio(m["single"]["tok_s"], base["single"]["tok_s"]),
+            "llama.cpp": _ratio(m["single"]["decode_tok_s"], lcpp["single"]["decode_tok_s"]) if lcpp else None}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, or None where b measured nothing (a run that ended after its first token)."""
+    return a / b if b > 0 else None
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def spec_lines(report: dict[str, Any]) -> list[str]:
@@ -215,9 +224,8 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for cat, row in report["categories"].items():
             sp = _speedups(row, method)
-            lc = sp["llama.cpp"]
             lines.append(f"| {cat} | {row[method]['accepted_per_draft']:.2f} | "
-                         f"{row[method]['single']['decode_tok_s']:.1f} | {sp['single']:.2f}x | "
-                         f"{sp['single_e2e']:.2f}x | {sp['concurrent']:.2f}x | {'-' if lc is None else f'{lc:.2f}x'} |")
+                         f"{row[method]['single']['decode_tok_s']:.1f} | {_x(sp['single'])} | "
+                         f"{_x(sp['single_e2e'])} | {_x(sp['concurrent'])} | {_x(sp['llama.cpp'])} |")
         lines.append("")
     return lines

@@ -56,7 +56,7 @@ class AsyncEngine:
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; raises InvalidRequestError at once for bad input.
-        `fanout`: `loom.parallel.fanout.FanOutOptions` of an n > 1 request (early stopping)."""
+        `fanout`: `loom.engine.groups.FanOutOptions` of an n > 1 request (early stopping)."""
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -11,18 +11,20 @@ import psutil
 import torch
 
 from loom.config import EngineConfig, physical_cores
-from loom.engine.output import OutputState
-from loom.engine.request import Request, RequestStatus
+from loom.engine.detokenize import OutputState
+from loom.engine.groups import ChildSpec, FanOutOptions, RequestGroups, child_request, derive_seed, per_child_appends
+from loom.engine.request import Request, RequestStatus, check_token_ids
 from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import Tokenizer
-from loom.model.loader import load_model
+from loom.model.build import load_model
 from loom.model.runner import ModelRunner
 from loom.outputs import RequestOutput
-from loom.parallel.fanout import FanOut, FanOutOptions, fork_request
 from loom.sampling_params import SamplingParams
+from loom.speculative.decoder import SpecDecoder
+from loom.speculative.drafters import DraftEnv
 
 log = logging.getLogger("loom")
 
@@ -56,12 +58,13 @@ class Engine:
         self.max_model_len = min(config.scheduler.max_model_len or cfg.context_length, cfg.context_length,
                                  num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.spec = self._speculative_decoder(num_blocks)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
-                                  seed=config.seed)
-        if config.speculative is not None:
-            self._attach_speculation(num_blocks)
+                                  seed=config.seed, spec=self.spec)
+        if self.spec is not None and config.speculative.adaptive:
+            self.spec.calibrate(self.runner.timed_forward, config.scheduler.max_num_seqs)
         self.outputs: dict[str, OutputState] = {}
-        self.fanout = FanOut(self)  # n > 1 / best_of requests: children sharing KV (loom/parallel)
+        self.groups = RequestGroups(self)  # n > 1 / best_of requests: children sharing KV (engine/groups.py)
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
 
@@ -73,15 +76,12 @@ class Engine:
             return torch.float16 if getattr(self.model, "kern", None) is not None else torch.float32
         return {"float32": torch.float32, "float16": torch.float16}[choice]
 
-    def _attach_speculation(self, num_blocks: int) -> None:
-        from loom.spec.decoder import SpecDecoder
-        from loom.spec.drafters import DraftEnv
-
+    def _speculative_decoder(self, num_blocks: int) -> SpecDecoder | None:
         spec = self.config.speculative
-        env = DraftEnv(self.model, self.config.load.linear_mode, num_blocks, self.config.cache.block_size)
-        self.runner.spec = SpecDecoder(spec, env)
-        if spec.adaptive:
-            self.runner.spec.calibrate(self.runner, self.config.scheduler.max_num_seqs)
+        if spec is None:
+            return None
+        return SpecDecoder(spec, DraftEnv(self.model, self.config.load.linear_mode, num_blocks,
+                                          self.config.cache.block_size))
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -109,13 +109,7 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         text, ids = self._tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        if max(ids) >= self.model.cfg.vocab_size or min(ids) < 0:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model.cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt is {len(ids)} tokens, the context limit is {self.max_model_len} "
-                                      f"(at least one token must be left to generate)")
+        check_token_ids(ids, self.model.cfg.vocab_size, self.max_model_len, "prompt")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
@@ -124,7 +118,7 @@ class Engine:
                 rid = str(next(self._ids))
         else:
             rid = request_id
-        if rid in self.scheduler.requests or rid in self.fanout:
+        if rid in self.scheduler.requests or rid in self.groups:
             raise InvalidRequestError(f"request id '{rid}' is already in use")
         limit = self.config.scheduler.max_waiting
         if limit is not None and len(self.scheduler.waiting) >= limit:
@@ -133,16 +127,76 @@ class Engine:
                       eos_token_ids=self.tokenizer.stop_token_ids)
         self.scheduler.add(req)
         if params.effective_best_of > 1 or fanout is not None:
-            self.fanout.add(req, fanout)
+            self.groups.add(req, fanout)
         else:
             self.outputs[rid] = OutputState(req, self.tokenizer)
         return rid
 
+    # -- the fork primitive (loom.parallel builds beams and fork/join programs on it) -----
+    def spawn(self, parent_id: str, specs: Sequence[ChildSpec]) -> list[str]:
+        """Forks `parent_id` into one child request per spec; the children share the KV of the
+        parent's computed tokens and produce their own outputs from `step()`. The parent is
+        left as it was (finish, pause or keep it running as you need)."""
+        parent = self._live(parent_id, "cannot fork request")
+        ids = [s.request_id for s in specs]
+        if any(i in self.scheduler.requests or i in self.groups for i in ids) or len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"child request ids must be new and distinct, got {ids}")
+        children = [child_request(parent, spec, self.model.cfg.vocab_size, self.max_model_len) for spec in specs]
+        self.scheduler.fork(parent_id, children)
+        for child, spec in zip(children, specs):
+            self.outputs[child.request_id] = OutputState(child, self.tokenizer, index=spec.index)
+        return ids
+
     def fork(self, request_id: str, num_children: int,
-             append_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None) -> list[str]:
-        """New requests continuing `request_id` from all it holds so far, sharing its KV blocks,
-        each followed by `append_token_ids`; returns their ids (see `loom.parallel.fanout.fork_request`)."""
-        return fork_request(self, request_id, num_children, append_token_ids)
+             append_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+             params: SamplingParams | None = None) -> list[str]:
+        """`num_children` new requests that continue `request_id` from everything it holds so far
+        (its prompt, its output, a sampled token not yet computed), each followed by
+        `append_token_ids` (one list for all, or one list per child); returns their ids. Child i
+        (from 1) samples with `derive_seed(seed, i)` of the parent's (or `params`') seed; the
+        parent keeps running."""
+        parent = self._live(request_id, "cannot fork request")
+        if isinstance(num_children, bool) or not isinstance(num_children, int) or num_children < 1:
+            raise InvalidRequestError(f"num_children must be an integer >= 1, got {num_children!r}")
+        appends = per_child_appends(append_token_ids, num_children)
+        base = (params or parent.params).clone(n=1, best_of=None)
+        specs = [ChildSpec(self.fresh_id(f"{request_id}.{i}"), base.clone(seed=derive_seed(base.seed, i)),
+                           tuple(appends[i - 1]))
+                 for i in range(1, num_children + 1)]
+        return self.spawn(request_id, specs)
+
+    def pause(self, request_id: str) -> None:
+        """Stops `request_id` where it is (its KV stays; nothing more is computed or sampled)
+        until `resume`. A token it sampled but has not computed yet stays pending."""
+        req = self._live(request_id)
+        req.compute_limit = req.num_computed_tokens
+
+    def resume(self, request_id: str, append_token_ids: Sequence[int] = ()) -> None:
+        """Lets a paused request run again, after appending `append_token_ids` to its output as
+        forced tokens (a join's result). Forced tokens count toward max_tokens and are not
+        checked for stop tokens; repetition penalties of the runner do not see them."""
+        req = self._live(request_id)
+        tokens = [int(t) for t in append_token_ids]
+        if tokens:
+            check_token_ids(req.all_token_ids + tokens, self.model.cfg.vocab_size, self.max_model_len,
+                            f"request '{request_id}' with its appended tokens")
+        for t in tokens:
+            req.append_token(t)
+        req.compute_limit = None
+
+    def fresh_id(self, base: str) -> str:
+        """`base`, primed until no request or group holds it."""
+        rid = base
+        while rid in self.scheduler.requests or rid in self.groups:
+            rid += "'"
+        return rid
+
+    def _live(self, request_id: str, doing: str = "request") -> Request:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            raise InvalidRequestError(f"{doing} '{request_id}': it is not running or waiting"
+                                      if doing != "request" else f"request '{request_id}' is not running or waiting")
+        return req
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -160,8 +214,8 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its KV blocks; returns its final output (finish_reason 'abort')."""
-        if request_id in self.fanout:
-            return self.fanout.abort(request_id)
+        if request_id in self.groups:
+            return self.groups.abort(request_id)
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
         state = self.outputs.pop(request_id, None)
         if req is None or state is None:
@@ -176,7 +230,7 @@ class Engine:
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         touched = self.scheduler.update(plan, result)
-        return self.fanout.step(self._process_outputs(touched, result))
+        return self.groups.step(self._process_outputs(touched, result))
 
     def _process_outputs(self, touched: list[Request], result) -> list[RequestOutput]:
         outs = []

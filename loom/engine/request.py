@@ -7,11 +7,24 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from loom.contracts import DraftTree
+from loom.errors import InvalidRequestError
 from loom.outputs import RequestMetrics, SampleLogprobs
 from loom.sampling_params import SamplingParams
-from loom.spec.tree import DraftTree
 
 _arrival = itertools.count()
+
+
+def check_token_ids(ids: list[int], vocab_size: int, max_model_len: int, what: str) -> None:
+    """The one check of token ids entering the engine (prompts, forks, forced tokens): every id
+    in [0, vocab_size), and at least one position left to generate within the context."""
+    if not ids:
+        raise InvalidRequestError(f"{what} is empty: give at least one token")
+    if max(ids) >= vocab_size or min(ids) < 0:
+        raise InvalidRequestError(f"{what} token ids must be in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(f"{what} is {len(ids)} tokens, the context limit is {max_model_len} "
+                                  f"(at least one token must be left to generate)")
 
 
 class RequestStatus(enum.Enum):

@@ -29,58 +29,12 @@ them as computed and trims the KV blocks past that (rejected drafts):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loom.config import CacheConfig, SchedulerConfig
+from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
 from loom.engine.request import Request, RequestStatus
 from loom.kv.manager import KVCacheManager
-from loom.sampling_params import SamplingParams
-from loom.spec.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    """Sent to the runner the first time it sees a request."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    req_id: str
-    token_ids: list[int]     # tokens to compute this step, at positions start_pos...
-    start_pos: int           # = num_computed_tokens before the step
-    block_table: list[int]
-    sample: bool             # sample a token from the logits of the last one
-    draft_parents: tuple[int, ...] = ()  # a draft tree's parents; its tokens end token_ids
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    seqs: list[ScheduledSeq]
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
-    preempted_req_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    logprob: float                       # of the sampled token
-    top: list[tuple[int, float]]         # (token id, logprob), most probable first
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    sampled: dict[str, list[int]]                        # req_id -> new tokens
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    drafts: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> draft for its next step
 
 
 @dataclass

@@ -4,15 +4,24 @@
     avx2     csrc/loom_kernels_avx2.cpp   AVX2 + FMA + F16C (most laptops, many servers)
 
 Both export the same functions with the same semantics over the same packed weights; the
-first variant whose instructions this CPU has is built (`variant()` names it).
+first variant whose instructions this CPU has is built (`variant()` names it). The environment
+variable `LOOM_KERNELS` chooses:
+
+    auto (default)   the first variant this CPU runs
+    avx2 | avx512    that variant; one the CPU cannot run is an error naming the missing flags
+    0                no kernels: the pure-torch path
+
+The AVX2 variant is compiled with AVX-512 turned off (`-mno-avx512f`), so forcing it on an
+AVX-512 machine runs exactly the code an AVX2-only CPU runs; `make test` runs the kernel and
+invariance tests once per variant the CPU supports.
 
 `load()` returns the extension module, or None where it cannot be used: a CPU with neither
-instruction set, no compiler, `LOOM_KERNELS=0` in the environment, or a failed build (the
-reason is kept in `unavailable_reason()`). Callers then take the pure-torch path.
+instruction set, no compiler, `LOOM_KERNELS=0`, or a failed build (the reason is kept in
+`unavailable_reason()`). Callers then take the pure-torch path.
 
-The build goes to ~/.cache/loom/kernels/<key>, keyed by the chosen source, the torch version
-and the CPU's flags, so a copied cache never runs on a CPU it was not compiled for.
-`python -m loom.kernels` builds it ahead of time (`make install` does).
+The build goes to ~/.cache/loom/kernels/<key>, keyed by the chosen source, its compiler flags,
+the torch version and the CPU's flags, so a copied cache never runs on a CPU it was not
+compiled for. `python -m loom.kernels` builds it ahead of time (`make install` does).
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from loom.model.cpu import cpu_flags
+from loom.errors import LoomError
+from loom.kernels.cpu import cpu_flags
 
 CSRC = Path(__file__).parent / "csrc"
 HOST_HEADER = CSRC / "loom_kernels_host.h"   # included by both sources
@@ -42,18 +52,60 @@ _reason: str | None = None
 _tried = False
 
 
-def cpu_variant() -> str | None:
-    """The variant this CPU can run (whether or not it is built), or None."""
+class KernelVariantError(LoomError):
+    """LOOM_KERNELS names a variant that does not exist or that this CPU cannot run."""
+
+
+def supported_variants() -> list[str]:
+    """Every variant this CPU can run, best first."""
     flags = cpu_flags()
-    return next((name for name, need in REQUIRED_FLAGS.items() if all(f in flags for f in need)), None)
+    return [name for name, need in REQUIRED_FLAGS.items() if all(f in flags for f in need)]
 
 
-def _build_dir(source: Path) -> Path:
-    flags = " ".join(sorted(cpu_flags()))
+def cpu_variant() -> str | None:
+    """The best variant this CPU can run (whether or not it is built), or None."""
+    return next(iter(supported_variants()), None)
+
+
+def requested_variant() -> str | None:
+    """The variant `LOOM_KERNELS` asks for on this CPU: None for `0` or a CPU without either
+    instruction set under `auto`; raises KernelVariantError for an unknown or unrunnable name."""
+    choice = os.environ.get("LOOM_KERNELS", "auto").strip().lower() or "auto"
+    if choice == "0":
+        return None
+    if choice in ("auto", "1"):
+        return cpu_variant()
+    if choice not in VARIANTS:
+        raise KernelVariantError(f"LOOM_KERNELS must be one of auto, {', '.join(VARIANTS)}, 0; got {choice!r}")
+    missing = [f for f in REQUIRED_FLAGS[choice] if f not in cpu_flags()]
+    if missing:
+        raise KernelVariantError(f"LOOM_KERNELS={choice}: this CPU lacks {', '.join(missing)}")
+    return choice
+
+
+def _cflags(variant: str) -> list[str]:
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+    if variant == "avx2":
+        flags.append("-mno-avx512f")   # exactly an AVX2 machine's code, even on an AVX-512 one
+    return flags
+
+
+def _build_dir(variant: str) -> Path:
+    source = VARIANTS[variant][0]
+    flags = " ".join(sorted(cpu_flags())) + " | " + " ".join(_cflags(variant))
     code = source.read_bytes() + HOST_HEADER.read_bytes()
     key = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom"))
     return root / "kernels" / key
+
+
+def build(variant: str, verbose: bool = False):
+    """Compiles (or finds in the cache) and imports one variant's module; raises on failure."""
+    from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
+    d = _build_dir(variant)
+    d.mkdir(parents=True, exist_ok=True)
+    return cpp_load(name=f"loom_kernels_{variant}", sources=[str(VARIANTS[variant][0])], build_directory=str(d),
+                    extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
 
 
 def load(verbose: bool = False):
@@ -62,22 +114,19 @@ def load(verbose: bool = False):
     with _lock:
         if _tried:
             return _module
-        _tried = True
-        if os.environ.get("LOOM_KERNELS", "1") == "0":
-            _reason = "disabled by LOOM_KERNELS=0"
-            return None
-        variant = cpu_variant()
-        if variant is None:
-            _reason = "this CPU has neither " + " nor ".join(f"{n} ({', '.join(f)})" for n, f in REQUIRED_FLAGS.items())
-            return None
-        source = VARIANTS[variant][0]
         try:
-            from torch.utils.cpp_extension import load as build
-            d = _build_dir(source)
-            d.mkdir(parents=True, exist_ok=True)
-            _module = build(name="loom_kernels", sources=[str(source)], build_directory=str(d),
-                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++17"],
-                            extra_ldflags=["-fopenmp"], verbose=verbose)
+            variant = requested_variant()
+        except KernelVariantError:
+            _tried = False   # asked again, it raises again
+            raise
+        _tried = True
+        if variant is None:
+            _reason = ("disabled by LOOM_KERNELS=0" if os.environ.get("LOOM_KERNELS", "").strip() == "0" else
+                       "this CPU has neither " + " nor ".join(f"{n} ({', '.join(f)})"
+                                                              for n, f in REQUIRED_FLAGS.items()))
+            return None
+        try:
+            _module = build(variant, verbose)
             _variant = variant
         except Exception as e:  # no compiler, no ninja, a build error: fall back to torch
             _reason = f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
@@ -95,5 +144,5 @@ def available() -> bool:
 
 
 def variant() -> str | None:
-    """Which source the loaded module was built from ("avx512" or "avx2"), None without one."""
+    """Which variant the loaded module is ("avx512" or "avx2"), None without one."""
     return _variant if load() is not None else None

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom.engine.scheduler import RunnerOutput, SchedulerOutput, TokenLogprobs
-from loom.model.layers.attention import AttentionMetadata
+from loom.contracts import DraftTree, RunnerOutput, SchedulerOutput, SpecHost, TokenLogprobs
+from loom.model.kv_cache import KVCacheTensors
+from loom.model.layers.attention import AttentionMetadata, tree_attention_mask
 from loom.sample.sampler import Sampler, SamplingBatch, argmax_rows, request_generator
 from loom.sampling_params import SamplingParams
-from loom.spec.tree import DraftTree, tree_attention_mask
 
 
 @dataclass
@@ -43,24 +43,26 @@ class _ReqState:
 
 
 class ModelRunner:
+    """`spec`, when given, is the speculative decoder (loom.speculative.SpecDecoder): after each
+    forward pass it gets the sampled rows' logits and a `SpecHost` of callbacks into this runner,
+    never the runner itself."""
+
     def __init__(self, model, num_blocks: int, block_size: int, stop_token_ids: frozenset[int],
-                 kv_dtype: torch.dtype = torch.float32, seed: int = 0):
-        cfg = model.cfg
+                 kv_dtype: torch.dtype = torch.float32, seed: int = 0, spec=None):
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = model.cfg.vocab_size
         self.stop_token_ids = stop_token_ids
-        slots = num_blocks * block_size
-        # torch.empty: pages are touched only when written, so a large budget costs nothing up front
-        self.kv_caches = [(torch.empty(slots, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype),
-                           torch.empty(slots, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype))
-                          for _ in range(cfg.num_layers)]
+        self.kv = KVCacheTensors(model.cfg, num_blocks * block_size, kv_dtype)
         self.sampler = Sampler(seed)
         self.states: dict[str, _ReqState] = {}
-        self.spec = None  # a loom.spec.SpecDecoder, attached by the engine when speculating
+        self.spec = spec
+        self.spec_host = SpecHost(sample=self._sample, probs=self._probs, request=self.states.__getitem__,
+                                  commit=self._commit, move_kv=self.kv.move_slots,
+                                  generator=self.sampler.generator)
 
     @staticmethod
     def kv_bytes_per_token(cfg, kv_dtype: torch.dtype = torch.float32) -> int:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(kv_dtype).bits // 8
+        return KVCacheTensors.bytes_per_token(cfg, kv_dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -75,10 +77,10 @@ class ModelRunner:
             self.states[new.req_id] = _ReqState(p, new.prompt_token_ids, request_generator(p), banned)
         if not out.seqs:
             return RunnerOutput({})
-        self._copy_blocks(out.block_copies)
+        self.kv.copy_blocks(out.block_copies, self.block_size)
         input_ids, positions, meta = build_batch(out.seqs, self.block_size)
         t0 = time.perf_counter()
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)      # [T, D]
+        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)      # [T, D]
         sample_seqs = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sample_seqs:
             return RunnerOutput({})
@@ -90,14 +92,25 @@ class ModelRunner:
         if self.spec is None:
             return self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
         self.spec.record_step(out, time.perf_counter() - t0)
-        return self.spec.step(self, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
+        return self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        bs = self.block_size
-        for src, dst in copies:
-            for k, v in self.kv_caches:
-                k[dst * bs:(dst + 1) * bs] = k[src * bs:(src + 1) * bs]
-                v[dst * bs:(dst + 1) * bs] = v[src * bs:(src + 1) * bs]
+    @torch.inference_mode()
+    def timed_forward(self, seqs) -> float:
+        """Seconds of one forward pass plus logits over `seqs` (ScheduledSeqs whose blocks are
+        free: it writes into them); the speculative cost model's calibration."""
+        ids, positions, meta = build_batch(seqs, self.block_size)
+        t0 = time.perf_counter()
+        hidden = self.model.forward(ids, positions, meta, self.kv.layers)
+        self.model.compute_logits(hidden)
+        return time.perf_counter() - t0
+
+    def _commit(self, req_id: str, tokens: list[int]) -> None:
+        self.states[req_id].output_token_ids.extend(tokens)
+
+    def _probs(self, logits: torch.Tensor, req_id: str) -> torch.Tensor:
+        """One request's sampling distribution at each of `logits`' rows [R, V]."""
+        batch = self.sampling_batch([req_id] * logits.shape[0])
+        return self.sampler.probs(logits.clone(), batch, torch.arange(logits.shape[0]))
 
     def sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
         states = [self.states[r] for r in req_ids]
@@ -135,7 +148,7 @@ def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, Atte
 
     A sequence verifying a draft tree holds its committed new tokens, then the tree's
     nodes; node i takes the next slot in order but the position of its depth, and a tree
-    mask (loom.spec.tree) lets it see only the committed tokens and its ancestors:
+    mask (loom.model.layers.attention.tree_attention_mask) lets it see only the committed tokens and its ancestors:
 
         slots      s  s+1 s+2 s+3 s+4       (committed c, nodes 0..3, parents [-1, -1, 0, 2])
         tokens     c  n0  n1  n2  n3
@@ -172,11 +185,7 @@ def score(model, token_ids) -> torch.Tensor:
     T = ids.shape[0]
     if T == 0:
         raise ValueError("score() needs at least one token")
-    cfg = model.cfg
-    caches = [(torch.empty(T, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype),
-               torch.empty(T, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype))
-              for _ in range(cfg.num_layers)]
     slots = torch.arange(T)
     meta = AttentionMetadata.build(slots, [T], [T], [slots])
-    hidden = model.forward(ids, torch.arange(T), meta, caches)
+    hidden = model.forward(ids, torch.arange(T), meta, KVCacheTensors(model.cfg, T, model.dtype).layers)
     return model.compute_logits(hidden)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.engine.groups import FanOutOptions
 from loom.errors import InvalidRequestError
 from loom.outputs import CompletionOutput
 
@@ -330,7 +331,6 @@ def sample_and_aggregate(llm_or_engine: Any, prompts: Sequence[Any], params: Any
     """Runs each prompt with `params` (n children, or best_of) on an `LLM` or `Engine`, lets
     `aggregator` stop the children early where it does, and aggregates each prompt's children.
     Results come back in prompt order."""
-    from loom.parallel.fanout import FanOutOptions
 
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     agg = create_aggregator(aggregator, **options) if isinstance(aggregator, str) else aggregator

@@ -3,7 +3,7 @@
 Every live beam is an engine request held after one sampled token (`ChildSpec.hold`): each
 engine step computes the beam's newest token and returns the top logprobs of the next one.
 Once every live beam of a search has reported, the search picks the next beams and forks each
-from its parent beam with the chosen token appended (`spawn`), then releases the old beams:
+from its parent beam with the chosen token appended (`Engine.spawn`), then releases the old beams:
 
     beam a   | prompt ........ | x y |            (computed; its own sampled token is ignored)
                fork, append t1 -> | prompt ........ | x y t1 |   new beam, shares a's blocks
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loom.engine.groups import ChildSpec
 from loom.errors import InvalidRequestError
-from loom.parallel.fanout import ChildSpec, spawn
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -274,16 +274,13 @@ class BeamSearch:
             keep = len(self.prompt_ids) + len(parent.tokens)  # drops the parent's own sampled token
             specs = [ChildSpec(self._fresh_id(f"{self._step}.{group_index}.{i}"), self.beam_params,
                                (survivors[i].token,), keep_tokens=keep, hold=True) for i in picks]
-            for i, rid in zip(picks, spawn(self.engine, parent_id, specs)):
+            for i, rid in zip(picks, self.engine.spawn(parent_id, specs)):
                 c = survivors[i]
                 beams[i] = _Beam(rid, parent.tokens + [c.token], c.score, c.logprob)
         return beams
 
     def _fresh_id(self, suffix: str) -> str:
-        rid = f"{self.prefix}-{suffix}"
-        while rid in self.engine.scheduler.requests or rid in self.engine.fanout:
-            rid += "'"
-        return rid
+        return self.engine.fresh_id(f"{self.prefix}-{suffix}")
 
 
 def run_beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:

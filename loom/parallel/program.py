@@ -15,7 +15,7 @@ Rules:
   paused thread can spawn, and `join` resumes it;
 * a child's prompt is the parent's whole context plus its appended text, so a child's `text` is
   only what it generated; its `prefix` is the appended text;
-* joined text becomes part of the parent's output (forced tokens; see `fanout.resume`).
+* joined text becomes part of the parent's output (forced tokens; see `Engine.resume`).
 
 Example (docs/parallel.md has more)::
 
@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 from loom.errors import InvalidRequestError
 from loom.outputs import RequestOutput
-from loom.parallel.fanout import fork_request, pause, resume
 from loom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -118,13 +117,13 @@ class Thread:
 
     def pause(self) -> None:
         if not self.finished:
-            pause(self.program.engine, self.request_id)
+            self.program.engine.pause(self.request_id)
             self.paused = True
 
     def resume(self, text: str = "") -> None:
         """Runs again, after appending `text` (tokenized without special tokens) to the context."""
         ids = self.program.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
-        resume(self.program.engine, self.request_id, ids)
+        self.program.engine.resume(self.request_id, ids)
         self.paused = False
 
     def spawn(self, texts: Sequence[str], params: SamplingParams | None = None) -> list[Thread]:
@@ -135,7 +134,7 @@ class Thread:
             raise InvalidRequestError("spawn needs a paused thread: call run(...) or pause() first")
         tok = self.program.engine.tokenizer
         appends = [tok.encode(t, add_special_tokens=False) for t in texts]
-        ids = fork_request(self.program.engine, self.request_id, len(appends), appends, params)
+        ids = self.program.engine.fork(self.request_id, len(appends), appends, params)
         return [self.program._adopt(rid, self, text) for rid, text in zip(ids, texts)]
 
     def join(self, children: Sequence[Thread], template: str = "{prefix}{text}", sep: str = "\n",

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from loom.outputs import RequestOutput
-from loom.spec.decoder import SpecStats
+from loom.speculative.decoder import SpecStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
                 160.0, 640.0)
@@ -51,7 +51,7 @@ class EngineSample:
 
 def read_engine_sample(engine) -> EngineSample:
     """The counters and gauges of `engine` now (the caller holds whatever keeps it still)."""
-    s, kv, spec = engine.scheduler.stats, engine.kv, engine.runner.spec
+    s, kv, spec = engine.scheduler.stats, engine.kv, engine.spec
     return EngineSample(num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
                         kv_usage=float(kv.usage()), num_preemptions=s.num_preemptions,
                         prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,15 @@ from loom.engine.async_engine import AsyncEngine
 from loom.errors import EngineDeadError, LoomError, TokenizerError
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
+from loom.server.choices import ChoiceGroup, fan_out, plan_loom
 from loom.server.engine_client import EngineClient, InProcessEngineClient
-from loom.server.errors import ENGINE_RETRY_AFTER_SECONDS, INVALID_REQUEST, ApiError, ClientDisconnected, install_error_handlers
-from loom.server.fanout import ChoiceGroup, fan_out, plan_loom
+from loom.server.errors import (
+    ENGINE_RETRY_AFTER_SECONDS,
+    INVALID_REQUEST,
+    ApiError,
+    ClientDisconnected,
+    install_error_handlers,
+)
 from loom.server.limits import BodySizeLimit
 from loom.server.logprobs import chat_logprobs, completion_logprobs
 from loom.server.metrics import ServerMetrics, sample_engine
@@ -245,42 +251,33 @@ class OpenAIServing:
     def _prompt_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.ae.tokenizer.decode(prompt)
 
-    async def _completion_events(self, group: ChoiceGroup, body: CompletionRequest, rid: str, created: int,
-                                 echoes: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
-        tokens_sent = [0] * group.size
-        chars_sent = [0] * group.size
-        echo_pending = [bool(echoes)] * group.size
+    async def _stream(self, group: ChoiceGroup, n: int, include_usage: bool,
+                      dump: Callable[[list, UsageInfo | None], dict[str, Any]],
+                      choice_of: Callable[[int, RequestOutput], Any],
+                      opening: Sequence[list] = ()) -> AsyncIterator[str]:
+        """The one SSE loop of both endpoints: `opening` chunks first, then per output of the
+        group the chunk choice `choice_of(index, output)` builds (None: nothing to send yet),
+        the usage chunk when asked, and [DONE]; `dump(choices, usage)` is the endpoint's chunk
+        as a dict. An error after the status line is sent goes in-band."""
         finals: list[RequestOutput | None] = [None] * group.size
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            data = CompletionStreamResponse(id=rid, created=created, model=self.model, choices=choices,
-                                            usage=usage).model_dump()
+        def chunk(choices: list, usage: UsageInfo | None = None) -> str:
+            data = dump(choices, usage)
             if not include_usage:
                 data.pop("usage")
             return event(data)
 
         try:
+            for choices in opening:
+                yield chunk(choices)
             async for index, out in group:
-                c = out.outputs[0]
-                prefix = echoes[index // body.n] if echoes and echo_pending[index] else ""
-                text = prefix + c.delta_text
-                new_ids = c.token_ids[tokens_sent[index]:]
-                lp = None
-                if body.logprobs is not None and new_ids:
-                    lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs,
-                                             offset=chars_sent[index] + len(prefix))
-                tokens_sent[index] = len(c.token_ids)
                 if out.finished:
                     finals[index] = out
-                if not text and lp is None and not out.finished:
-                    continue
-                chars_sent[index] += len(text)
-                echo_pending[index] = False
-                yield chunk([CompletionChoice(index=index, text=text, logprobs=lp,
-                                              finish_reason=c.finish_reason if out.finished else None,
-                                              stop_reason=c.stop_reason if out.finished else None)])
+                choice = choice_of(index, out)
+                if choice is not None:
+                    yield chunk([choice])
             if include_usage:
-                yield chunk([], self.usage(finals, body.n))
+                yield chunk([], self.usage(finals, n))
             yield DONE
         except ClientDisconnected:
             return
@@ -289,6 +286,36 @@ class OpenAIServing:
             yield DONE
         finally:
             group.close()
+
+    def _completion_events(self, group: ChoiceGroup, body: CompletionRequest, rid: str, created: int,
+                           echoes: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
+        tokens_sent = [0] * group.size
+        chars_sent = [0] * group.size
+        echo_pending = [bool(echoes)] * group.size
+
+        def dump(choices: list[CompletionChoice], usage: UsageInfo | None) -> dict[str, Any]:
+            return CompletionStreamResponse(id=rid, created=created, model=self.model, choices=choices,
+                                            usage=usage).model_dump()
+
+        def choice_of(index: int, out: RequestOutput) -> CompletionChoice | None:
+            c = out.outputs[0]
+            prefix = echoes[index // body.n] if echoes and echo_pending[index] else ""
+            text = prefix + c.delta_text
+            new_ids = c.token_ids[tokens_sent[index]:]
+            lp = None
+            if body.logprobs is not None and new_ids:
+                lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs,
+                                         offset=chars_sent[index] + len(prefix))
+            tokens_sent[index] = len(c.token_ids)
+            if not text and lp is None and not out.finished:
+                return None
+            chars_sent[index] += len(text)
+            echo_pending[index] = False
+            return CompletionChoice(index=index, text=text, logprobs=lp,
+                                    finish_reason=c.finish_reason if out.finished else None,
+                                    stop_reason=c.stop_reason if out.finished else None)
+
+        return self._stream(group, body.n, include_usage, dump, choice_of)
 
     # -- chat completions ----------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
@@ -332,48 +359,34 @@ class OpenAIServing:
                            code="chat_template_error") from None
         return {"prompt_token_ids": ids}
 
-    async def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
-                           top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
+    def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
+                     top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
-        finals: list[RequestOutput | None] = [None] * group.size
 
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        def dump(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> dict[str, Any]:
             data = ChatCompletionChunk(id=rid, created=created, model=self.model, choices=choices,
                                        usage=usage).model_dump()
             for choice in data["choices"]:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            if not include_usage:
-                data.pop("usage")
-            return event(data)
+            return data
 
-        try:
-            for index in range(group.size):
-                yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            async for index, out in group:
-                c = out.outputs[0]
-                new_ids = c.token_ids[tokens_sent[index]:]
-                lp = None
-                if top_k is not None and new_ids:
-                    lp = chat_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, top_k)
-                tokens_sent[index] = len(c.token_ids)
-                if out.finished:
-                    finals[index] = out
-                if not c.delta_text and lp is None and not out.finished:
-                    continue
-                delta = DeltaMessage(content=c.delta_text) if c.delta_text or not out.finished else DeltaMessage()
-                yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lp,
-                                             finish_reason=c.finish_reason if out.finished else None,
-                                             stop_reason=c.stop_reason if out.finished else None)])
-            if include_usage:
-                yield chunk([], self.usage(finals, body.n))
-            yield DONE
-        except ClientDisconnected:
-            return
-        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
-            yield self._stream_error(e)
-            yield DONE
-        finally:
-            group.close()
+        def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
+            c = out.outputs[0]
+            new_ids = c.token_ids[tokens_sent[index]:]
+            lp = None
+            if top_k is not None and new_ids:
+                lp = chat_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, top_k)
+            tokens_sent[index] = len(c.token_ids)
+            if not c.delta_text and lp is None and not out.finished:
+                return None
+            delta = DeltaMessage(content=c.delta_text) if c.delta_text or not out.finished else DeltaMessage()
+            return ChatChunkChoice(index=index, delta=delta, logprobs=lp,
+                                   finish_reason=c.finish_reason if out.finished else None,
+                                   stop_reason=c.stop_reason if out.finished else None)
+
+        roles = [[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
+                 for i in range(group.size)]
+        return self._stream(group, body.n, include_usage, dump, choice_of, roles)
 
     @staticmethod
     def _stream_error(e: Exception) -> str:

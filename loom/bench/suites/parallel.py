@@ -55,7 +55,7 @@ INSTRUCTION = ("Solve the math problem. Reason step by step, then write the fina
 
 def _unsupported(ctx: SuiteContext) -> dict[str, Any] | None:
     engine = getattr(ctx.peer, "engine", None)
-    if engine is None or not hasattr(engine, "fanout"):
+    if engine is None or not hasattr(engine, "groups"):
         return {"supported": False, "reason": "measures loom's parallel fan-out"}
     return None
 
@@ -117,7 +117,7 @@ class ParallelCostSuite(Suite):
 
     @staticmethod
     def _measure(ctx: SuiteContext, prompt: list[int], n: int, mode: str) -> dict[str, Any]:
-        from loom.parallel.fanout import derive_seed
+        from loom.engine.groups import derive_seed
         from loom.sampling_params import SamplingParams
 
         s = ctx.settings

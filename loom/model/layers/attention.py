@@ -233,3 +233,26 @@ def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale
         mask[:, -n:] = tree_mask
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def tree_attention_mask(num_committed: int, parents) -> torch.Tensor:
+    """[n, n] bool mask among a sequence's new tokens: `num_committed` committed tokens
+    (causal among themselves) followed by draft nodes; a node sees every committed token,
+    its ancestors and itself.
+
+        committed c0 c1 | nodes 0 1 2      (parents [-1, -1, 0])
+        c0   1 . | . . .
+        c1   1 1 | . . .
+        0    1 1 | 1 . .
+        1    1 1 | . 1 .
+        2    1 1 | 1 . 1
+    """
+    c, d = num_committed, len(parents)
+    mask = torch.zeros(c + d, c + d, dtype=torch.bool)
+    mask[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+    mask[c:, :c] = True
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[c + i, c:c + p + 1] = mask[c + p, c:c + p + 1]
+        mask[c + i, c + i] = True
+    return mask

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from loom import kernels
-from loom.model.cpu import has_native_bf16
+from loom.kernels.cpu import has_native_bf16
 from loom.model.quant import GROUP, QuantCodes, pack_codes
 from loom.model.weights import LinearWeight
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.spec.tree import DraftTree
+from loom.contracts import DraftTree
 
 
 @dataclass(frozen=True)

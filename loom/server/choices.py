@@ -2,7 +2,7 @@
 
 `fan_out` is the single place that decides how choices become engine requests: one request per
 prompt with ``n`` (and ``best_of``) set, which the engine fans out into children that prefill
-the prompt once and share its KV blocks (`loom.parallel.fanout`); choice i of a seeded request
+the prompt once and share its KV blocks (`loom.engine.groups`); choice i of a seeded request
 samples with `derive_seed(seed, i)`. Each prompt's outputs are split back into per-choice
 outputs, so everything downstream sees choices as before (``(choice index, RequestOutput)``
 with one completion each).
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from loom.engine.async_engine import AsyncEngine
+from loom.engine.groups import FanOutOptions, derive_seed
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.parallel.aggregators import Aggregator, create_aggregator
-from loom.parallel.fanout import FanOutOptions, derive_seed
 from loom.sampling_params import SamplingParams
 from loom.server.errors import ApiError, ClientDisconnected
 from loom.server.metrics import RequestTracker

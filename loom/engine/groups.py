@@ -1,4 +1,8 @@
-"""Fan-out above the scheduler: one request becomes several children that share its KV blocks.
+"""n > 1 and best_of: one request becomes a group of children that share its KV blocks.
+
+The fork primitive (`Engine.spawn`, `Engine.fork`) and these groups live in the engine, as
+vLLM keeps its parallel-sampling parent requests in its engine; strategies built on them
+(aggregators, beam search, fork/join programs) live above, in `loom.parallel`.
 
 The scheduler knows only one hook, `Scheduler.fork(parent_id, children)`; everything about
 n, best_of and early stopping lives here. A request with n > 1 (or best_of > n) runs as:
@@ -36,14 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from loom.engine.output import OutputState
-from loom.engine.request import Request, RequestStatus
+from loom.engine.request import Request, RequestStatus, check_token_ids
 from loom.errors import InvalidRequestError
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from loom.engine.engine import Engine
+    from loom.engine.engine import Engine  # the groups' owner
 
 # Seeds wrap into this range when derived (SamplingParams accepts [-(2**63), 2**64 - 1]).
 _SEED_SPAN = 2**64
@@ -90,38 +93,15 @@ class ChildSpec:
     index: int = 0  # the CompletionOutput index of the child's outputs
 
 
-def spawn(engine: Engine, parent_id: str, specs: Sequence[ChildSpec]) -> list[str]:
-    """Forks `parent_id` into one child request per spec; the children share the KV of the
-    parent's computed tokens and produce their own outputs from `engine.step()`. The parent is
-    left as it was (finish, pause or keep it running as you need)."""
-    sched = engine.scheduler
-    parent = sched.requests.get(parent_id)
-    if parent is None:
-        raise InvalidRequestError(f"cannot fork request '{parent_id}': it is not running or waiting")
-    ids = [s.request_id for s in specs]
-    taken = [i for i in ids if i in sched.requests or i in engine.fanout]
-    if taken or len(set(ids)) != len(ids):
-        raise InvalidRequestError(f"child request ids must be new and distinct, got {ids}")
-    children = [_child_request(engine, parent, spec) for spec in specs]
-    sched.fork(parent_id, children)
-    for child, spec in zip(children, specs):
-        engine.outputs[child.request_id] = OutputState(child, engine.tokenizer, index=spec.index)
-    return ids
-
-
-def _child_request(engine: Engine, parent: Request, spec: ChildSpec) -> Request:
+def child_request(parent: Request, spec: ChildSpec, vocab_size: int, max_model_len: int) -> Request:
+    """The child `spec` describes, continuing `parent` (validated; not yet scheduled)."""
     keep = parent.num_tokens if spec.keep_tokens is None else spec.keep_tokens
     if not 0 <= keep <= parent.num_tokens:
         raise InvalidRequestError(f"keep_tokens must be in [0, {parent.num_tokens}], got {keep}")
-    append = [int(t) for t in spec.append_token_ids]
-    if any(not 0 <= t < engine.model.cfg.vocab_size for t in append):
-        raise InvalidRequestError(f"appended token ids must be in [0, {engine.model.cfg.vocab_size})")
-    ids = parent.all_token_ids[:keep] + append
-    if not ids or len(ids) >= engine.max_model_len:
-        raise InvalidRequestError(f"a child of '{parent.request_id}' would hold {len(ids)} tokens; it needs "
-                                  f"1 .. {engine.max_model_len - 1} (the context limit leaves room to generate)")
+    ids = parent.all_token_ids[:keep] + [int(t) for t in spec.append_token_ids]
+    check_token_ids(ids, vocab_size, max_model_len, f"a child of '{parent.request_id}'")
     params = spec.params.clone()
-    room = engine.max_model_len - len(ids)
+    room = max_model_len - len(ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     same_prompt = ids == parent.prompt_token_ids
     child = Request(spec.request_id, ids, params, max_tokens, prompt=parent.prompt if same_prompt else None,
@@ -135,57 +115,8 @@ def _child_request(engine: Engine, parent: Request, spec: ChildSpec) -> Request:
     return child
 
 
-def fork_request(engine: Engine, request_id: str, num_children: int,
-                 append_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 params: SamplingParams | None = None) -> list[str]:
-    """`Engine.fork`: `num_children` new requests that continue `request_id` from everything it
-    holds so far (its prompt, its output, a sampled token not yet computed), each followed by
-    `append_token_ids` (one list for all, or one list per child). Child i (from 1) samples with
-    `derive_seed(seed, i)` of the parent's (or `params`') seed; the parent keeps running."""
-    parent = engine.scheduler.requests.get(request_id)
-    if parent is None:
-        raise InvalidRequestError(f"cannot fork request '{request_id}': it is not running or waiting")
-    if isinstance(num_children, bool) or not isinstance(num_children, int) or num_children < 1:
-        raise InvalidRequestError(f"num_children must be an integer >= 1, got {num_children!r}")
-    appends = _per_child(append_token_ids, num_children)
-    base = (params or parent.params).clone(n=1, best_of=None)
-    specs = [ChildSpec(_fresh_id(engine, f"{request_id}.{i}"), base.clone(seed=derive_seed(base.seed, i)),
-                       tuple(appends[i - 1]))
-             for i in range(1, num_children + 1)]
-    return spawn(engine, request_id, specs)
-
-
-def pause(engine: Engine, request_id: str) -> None:
-    """Stops `request_id` where it is (its KV stays; nothing more is computed or sampled)
-    until `resume`. A token it sampled but has not computed yet stays pending."""
-    req = _live(engine, request_id)
-    req.compute_limit = req.num_computed_tokens
-
-
-def resume(engine: Engine, request_id: str, append_token_ids: Sequence[int] = ()) -> None:
-    """Lets a paused request run again, after appending `append_token_ids` to its output as
-    forced tokens (a join's result). Forced tokens count toward max_tokens and are not
-    checked for stop tokens; repetition penalties of the runner do not see them."""
-    req = _live(engine, request_id)
-    tokens = [int(t) for t in append_token_ids]
-    if any(not 0 <= t < engine.model.cfg.vocab_size for t in tokens):
-        raise InvalidRequestError(f"appended token ids must be in [0, {engine.model.cfg.vocab_size})")
-    if req.num_tokens + len(tokens) >= engine.max_model_len:
-        raise InvalidRequestError(f"request '{request_id}' would hold {req.num_tokens + len(tokens)} tokens, "
-                                  f"the context limit is {engine.max_model_len}")
-    for t in tokens:
-        req.append_token(t)
-    req.compute_limit = None
-
-
-def _live(engine: Engine, request_id: str) -> Request:
-    req = engine.scheduler.requests.get(request_id)
-    if req is None:
-        raise InvalidRequestError(f"request '{request_id}' is not running or waiting")
-    return req
-
-
-def _per_child(append, k: int) -> list[list[int]]:
+def per_child_appends(append, k: int) -> list[list[int]]:
+    """`append` (None, one token list, or one list per child) as one token list per child."""
     if append is None:
         return [[] for _ in range(k)]
     items = list(append)
@@ -194,13 +125,6 @@ def _per_child(append, k: int) -> list[list[int]]:
             raise InvalidRequestError(f"got {len(items)} appended token lists for {k} children")
         return [list(a) for a in items]
     return [list(items) for _ in range(k)]
-
-
-def _fresh_id(engine: Engine, base: str) -> str:
-    rid = base
-    while rid in engine.scheduler.requests or rid in engine.fanout:
-        rid += "'"
-    return rid
 
 
 # -- n > 1 and best_of: groups of children behind one request id ------------------------------------
@@ -232,7 +156,7 @@ class _Group:
         return len(self.latest) == self.size and all(c.finish_reason is not None for c in self.latest.values())
 
 
-class FanOut:
+class RequestGroups:
     """The engine's groups of n > 1 / best_of requests (see the module docstring).
 
     The engine calls `add` for such a request instead of creating its output state, `step`
@@ -298,10 +222,10 @@ class FanOut:
     def _fork(self, group: _Group) -> None:
         params = group.params
         child_params = params.clone(n=1, best_of=None, logprobs=0 if params.logprobs is None else params.logprobs)
-        specs = [ChildSpec(_fresh_id(self.engine, f"{group.request_id}/{i}"),
+        specs = [ChildSpec(self.engine.fresh_id(f"{group.request_id}/{i}"),
                            child_params.clone(seed=derive_seed(params.seed, i)), index=i)
                  for i in range(group.size)]
-        group.child_ids = spawn(self.engine, group.request_id, specs)
+        group.child_ids = self.engine.spawn(group.request_id, specs)
         for i, cid in enumerate(group.child_ids):
             self._children[cid] = (group, i)
         # The children hold their own references to every block now.

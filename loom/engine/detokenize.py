@@ -8,8 +8,8 @@ of a stop string is held back until the next tokens decide it.
 
 from __future__ import annotations
 
+from loom.contracts import TokenLogprobs
 from loom.engine.request import Request, RequestStatus
-from loom.engine.scheduler import TokenLogprobs
 from loom.loader.tokenizer import IncrementalDetokenizer, Tokenizer
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
 

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from loom.spec.tree import DraftTree
+from loom.contracts import DraftTree
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 After the forward pass the runner hands over the logits of every sampled sequence: one
 row, or 1 + its tree's nodes when it verified a draft. Per step:
 
-    verify     greedy match / rejection sampling per tree (loom.spec.verify)
+    verify     greedy match / rejection sampling per tree (loom.speculative.verify)
     compact    copy the KV of accepted nodes that sit off their depth's slot
     observe    the target's top-k per row -> drafters that learn from it
     plan       controller: nodes per sequence for the next step (zero included)
@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from loom.engine.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from loom.config import SpeculativeConfig
+from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost
 from loom.sample.sampler import argmax_rows
-from loom.spec.config import SpeculativeConfig
-from loom.spec.controller import SpecController
-from loom.spec.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
-from loom.spec.tree import DraftTree
-from loom.spec.verify import verify_greedy, verify_sampled
+from loom.speculative.controller import SpecController
+from loom.speculative.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
+from loom.speculative.verify import verify_greedy, verify_sampled
 
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 CALIBRATION_DRAFTS = (0, 1, 2, 4, 8)      # draft nodes per sequence
@@ -59,7 +59,7 @@ def eligible(params, num_output: int) -> bool:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, env: DraftEnv):
-        self.config = config
+        self.config, self.env = config, env
         self.drafter = DRAFTERS[config.method](config, env)
         self.controller = SpecController(config.num_speculative_tokens, self.drafter.depth, config.adaptive)
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -80,52 +80,44 @@ class SpecDecoder:
             extra += len(s.draft_parents)
         self.controller.cost.observe(len(out.seqs), extra, seconds)
 
-    @torch.inference_mode()
-    def calibrate(self, runner, max_num_seqs: int) -> None:
-        """Times forward passes at a grid of (sequences, draft nodes each) and context lengths;
-        run before any request holds KV blocks (it writes into free blocks). A point that does
-        not fit the cache or the model's context is left out."""
+    def calibrate(self, time_forward: Callable[[list[ScheduledSeq]], float], max_num_seqs: int) -> None:
+        """Times forward passes (`time_forward(seqs)` -> seconds) at a grid of (sequences, draft
+        nodes each) and context lengths; run before any request holds KV blocks (the passes write
+        into free blocks). A point that does not fit the cache or the model's context is left out."""
         gen = torch.Generator().manual_seed(0)
         warm = True
+        cfg, block_size = self.env.target.cfg, self.env.block_size
         for ctx in CALIBRATION_CONTEXTS:
-            if ctx + max(CALIBRATION_DRAFTS) + 1 > runner.model.cfg.context_length:
+            if ctx + max(CALIBRATION_DRAFTS) + 1 > cfg.context_length:
                 break
-            per_seq = -(-(ctx + max(CALIBRATION_DRAFTS) + 1) // runner.block_size)
+            per_seq = -(-(ctx + max(CALIBRATION_DRAFTS) + 1) // block_size)
             for b in CALIBRATION_BATCHES:
-                if b > max_num_seqs or b * per_seq > runner.num_blocks:
+                if b > max_num_seqs or b * per_seq > self.env.num_blocks:
                     break
                 for k in CALIBRATION_DRAFTS:
                     if k > self.config.num_speculative_tokens:
                         break
                     seqs = [ScheduledSeq(f"calibrate{i}",
-                                         torch.randint(runner.vocab_size, (1 + k,), generator=gen).tolist(),
+                                         torch.randint(cfg.vocab_size, (1 + k,), generator=gen).tolist(),
                                          ctx, list(range(i * per_seq, (i + 1) * per_seq)), True,
                                          tuple(range(-1, k - 1))) for i in range(b)]
                     if warm:   # the first pass pays one-time costs
-                        self._time_forward(runner, seqs)
+                        time_forward(seqs)
                         warm = False
-                    best = min(self._time_forward(runner, seqs) for _ in range(2))
+                    best = min(time_forward(seqs) for _ in range(2))
                     self.controller.cost.calibrate(b, b * k, best, ctx)
 
-    @staticmethod
-    def _time_forward(runner, seqs) -> float:
-        from loom.model.runner import build_batch
-
-        ids, positions, meta = build_batch(seqs, runner.block_size)
-        t0 = time.perf_counter()
-        hidden = runner.model.forward(ids, positions, meta, runner.kv_caches)
-        runner.model.compute_logits(hidden)
-        return time.perf_counter() - t0
-
     # -- one step -------------------------------------------------------------------------
-    def step(self, runner, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],
+    def step(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],
              logits: torch.Tensor) -> RunnerOutput:
+        """`seqs` are the sampled sequences; `logits` holds `counts[i]` rows for seqs[i] (1, or
+        1 + its draft's nodes); everything of the runner it needs comes through `host`."""
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
         plain = [i for i, s in enumerate(seqs) if not s.draft_parents]
         plain_logits = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
-        result = runner._sample(plain_logits, [seqs[i].req_id for i in plain]) if plain else RunnerOutput({})
+        result = host.sample(plain_logits, [seqs[i].req_id for i in plain]) if plain else RunnerOutput({})
         # The drafter learns from the rows' top-k. A large batch without drafts (where drafting
         # does not pay) feeds it OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over
         # the vocabulary for every row would cost more than it could teach.
@@ -148,11 +140,11 @@ class SpecDecoder:
             if nd:
                 n_verify += 1
                 tree = DraftTree(tuple(s.token_ids[-nd:]), s.draft_parents)
-                verdict = self._verify(runner, s.req_id, tree, logits[starts[i]:starts[i + 1]])
+                verdict = self._verify(host, s.req_id, tree, logits[starts[i]:starts[i + 1]])
                 accepted = len(verdict.accepted_nodes)
-                runner.states[s.req_id].output_token_ids.extend(verdict.tokens)
+                host.commit(s.req_id, verdict.tokens)
                 result.sampled[s.req_id] = verdict.tokens
-                self._compact(runner, meta.kv_slots[index[s.req_id]], len(s.token_ids) - nd + s.start_pos,
+                self._compact(host, meta.kv_slots[index[s.req_id]], len(s.token_ids) - nd + s.start_pos,
                               verdict.accepted_nodes)
                 self._count(s.req_id, tree, accepted)
             if topk is not None and topk[starts[i]] is not None:
@@ -162,7 +154,7 @@ class SpecDecoder:
                     topk[starts[i]:starts[i + 1]], accepted))
         if n_verify:
             self._overhead("verify", (time.perf_counter() - t_verify) / n_verify)
-        result.drafts.update(self._propose(runner, seqs, len(out.seqs)))
+        result.drafts.update(self._propose(host, seqs, len(out.seqs)))
         return result
 
     def _overhead(self, part: str, seconds: float) -> None:
@@ -170,24 +162,17 @@ class SpecDecoder:
         old = self.overheads.get(part)
         self.overheads[part] = seconds if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * seconds
 
-    def _verify(self, runner, req_id: str, tree: DraftTree, logits: torch.Tensor):
-        st = runner.states[req_id]
+    def _verify(self, host: SpecHost, req_id: str, tree: DraftTree, logits: torch.Tensor):
+        st = host.request(req_id)
         if st.params.is_greedy:
             return verify_greedy(tree, argmax_rows(logits).tolist())
-        batch = runner.sampling_batch([req_id] * logits.shape[0])
-        probs = runner.sampler.probs(logits.clone(), batch, torch.arange(logits.shape[0]))
-        return verify_sampled(tree, probs, st.generator or runner.sampler.generator)
+        return verify_sampled(tree, host.probs(logits, req_id), st.generator or host.generator)
 
     @staticmethod
-    def _compact(runner, slots: torch.Tensor, base: int, nodes: list[int]) -> None:
+    def _compact(host: SpecHost, slots: torch.Tensor, base: int, nodes: list[int]) -> None:
         moves = [(base + node, base + d) for d, node in enumerate(nodes) if node != d]
-        if not moves:
-            return
-        src = slots[torch.tensor([m[0] for m in moves])]
-        dst = slots[torch.tensor([m[1] for m in moves])]
-        for k, v in runner.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        if moves:
+            host.move_kv(slots[torch.tensor([m[0] for m in moves])], slots[torch.tensor([m[1] for m in moves])])
 
     def _count(self, req_id: str, tree: DraftTree, accepted: int) -> None:
         st = self.stats
@@ -198,10 +183,10 @@ class SpecDecoder:
             st.accepted_per_pos[d] += 1
         self.controller.record(req_id, accepted, max(tree.depths))
 
-    def _propose(self, runner, seqs: list[ScheduledSeq], batch: int) -> dict[str, DraftTree]:
+    def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int) -> dict[str, DraftTree]:
         cands, caps = [], []
         for s in seqs:
-            st = runner.states[s.req_id]
+            st = host.request(s.req_id)
             left = (st.params.max_tokens or 1 << 30) - len(st.output_token_ids) - 1
             if eligible(st.params, len(st.output_token_ids)) and left > 0:
                 cands.append(s.req_id)
@@ -214,7 +199,7 @@ class SpecDecoder:
         reqs = []
         for rid, k in zip(cands, sizes):
             if k:
-                st = runner.states[rid]
+                st = host.request(rid)
                 reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k))
         if not reqs:
             return {}

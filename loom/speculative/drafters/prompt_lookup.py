@@ -9,8 +9,8 @@ recent occurrence. Summaries, RAG answers and edits copy long spans of their pro
 
 from __future__ import annotations
 
-from loom.spec.drafters.base import DraftRequest, Drafter, register
-from loom.spec.tree import DraftTree
+from loom.contracts import DraftTree
+from loom.speculative.drafters.base import Drafter, DraftRequest, register
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -20,11 +20,15 @@ import time
 
 import torch
 
+from loom.contracts import DraftTree, ScheduledSeq
 from loom.errors import InvalidRequestError
 from loom.kv.manager import KVCacheManager
+from loom.loader.registry import resolve_model
+from loom.model.build import load_model
+from loom.model.kv_cache import KVCacheTensors
+from loom.model.runner import build_batch
 from loom.sample.sampler import argmax_rows
-from loom.spec.drafters.base import DraftRequest, Drafter, register
-from loom.spec.tree import DraftTree
+from loom.speculative.drafters.base import Drafter, DraftRequest, register
 
 COST_EMA = 0.2
 
@@ -44,9 +48,6 @@ def load_draft_model(config, env):
     if config.model is None:
         model = env.target
     else:
-        from loom.loader.registry import resolve_model
-        from loom.model.loader import load_model
-
         model = load_model(resolve_model(config.model), linear=env.linear_mode)
         if model.cfg.vocab_size != env.target.cfg.vocab_size:
             raise InvalidRequestError(f"draft model {config.model!r} has a vocabulary of {model.cfg.vocab_size} "
@@ -57,16 +58,10 @@ def load_draft_model(config, env):
 @register("draft_model")
 class DraftModelDrafter(Drafter):
     def __init__(self, config, env):
-        from loom.model.runner import build_batch
-
-        self._build_batch = build_batch
         self.model = load_draft_model(config, env)
-        cfg = self.model.cfg
         self.block_size = env.block_size
         self.kv = KVCacheManager(env.num_blocks, env.block_size, enable_prefix_caching=False)
-        slots = env.num_blocks * env.block_size
-        self.caches = [(torch.empty(slots, cfg.num_kv_heads, cfg.head_dim),
-                        torch.empty(slots, cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+        self.caches = KVCacheTensors(self.model.cfg, env.num_blocks * env.block_size)
         self.cached: dict[str, list[int]] = {}   # tokens whose KV the draft cache holds, per request
         self._cost = 0.0
 
@@ -110,8 +105,6 @@ class DraftModelDrafter(Drafter):
     def _forward(self, feed: dict[str, list[int]]) -> dict[str, int]:
         """Computes `feed` for each request; returns its greedy next token (requests whose
         cache is full drop out)."""
-        from loom.engine.scheduler import ScheduledSeq
-
         seqs = []
         for rid, toks in feed.items():
             start = len(self.cached[rid])
@@ -121,8 +114,8 @@ class DraftModelDrafter(Drafter):
             self.cached[rid] = self.cached[rid] + toks
         if not seqs:
             return {}
-        ids, positions, meta = self._build_batch(seqs, self.block_size)
-        hidden = self.model.forward(ids, positions, meta, self.caches)
+        ids, positions, meta = build_batch(seqs, self.block_size)
+        hidden = self.model.forward(ids, positions, meta, self.caches.layers)
         rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in range(len(seqs))])
         best = argmax_rows(self.model.compute_logits(hidden[rows])).tolist()
         return {s.req_id: tok for s, tok in zip(seqs, best)}

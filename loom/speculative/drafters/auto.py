@@ -9,10 +9,10 @@ still decides how many nodes either may use, zero included.
 
 from __future__ import annotations
 
-from loom.spec.drafters.base import DraftRequest, Drafter, Observation, register
-from loom.spec.drafters.prompt_lookup import PromptLookupDrafter
-from loom.spec.drafters.token_recycling import TokenRecyclingDrafter
-from loom.spec.tree import DraftTree
+from loom.contracts import DraftTree
+from loom.speculative.drafters.base import Drafter, DraftRequest, Observation, register
+from loom.speculative.drafters.prompt_lookup import PromptLookupDrafter
+from loom.speculative.drafters.token_recycling import TokenRecyclingDrafter
 
 EMA = 0.3
 OPTIMISM = 4.0   # assumed accepted tokens per step before a drafter was tried

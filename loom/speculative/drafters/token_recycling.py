@@ -22,8 +22,8 @@ from functools import lru_cache
 
 import torch
 
-from loom.spec.drafters.base import DraftRequest, Drafter, Observation, register
-from loom.spec.tree import DraftTree
+from loom.contracts import DraftTree
+from loom.speculative.drafters.base import Drafter, DraftRequest, Observation, register
 
 RANK_DECAY = 0.35
 DEPTH_DECAY = 0.8

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from loom.spec.drafters.base import DraftRequest, Drafter, Observation, register
-from loom.spec.tree import DraftTree
+from loom.contracts import DraftTree
+from loom.speculative.drafters.base import Drafter, DraftRequest, Observation, register
 
 POOL_PER_TOKEN = 8     # n-grams kept per first token, most recent first
 

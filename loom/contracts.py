@@ -1,0 +1,140 @@
+"""Contract types: the plain data that crosses layers.
+
+The scheduler hands the runner a `SchedulerOutput`; the runner answers with a
+`RunnerOutput`; drafters propose `DraftTree`s that ride in it. Every layer imports these
+downward from here, and they carry ids, counts, token ids and block ids only: no tensors,
+no request objects (vLLM v1's `sched/output.py` and `outputs.py` play this part).
+
+Draft trees: two parallel lists in topological order (a parent always comes before its
+children), so any prefix of the lists is again a tree: the scheduler cuts a draft to its
+token budget by slicing. Node i holds `tokens[i]`; `parents[i]` is the index of its parent
+node, or -1 for a child of the root (the sequence's last committed token). A chain is the
+tree with parents [-1, 0, 1, ...].
+
+    root (last committed token, position P)
+     |-- 0 "the" (P+1) -- 2 "cat" (P+2) -- 4 "sat" (P+3)
+     |-- 1 "a"   (P+1) -- 3 "dog" (P+2)
+
+    tokens  [the, a, cat, dog, sat]     parents [-1, -1, 0, 1, 2]     depths [1, 1, 2, 2, 3]
+
+Siblings hold distinct tokens: the recursive rejection sampler tries them one after the
+other and needs every candidate to be a different token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from loom.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"a draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        seen: set[tuple[int, int]] = set()
+        for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
+            if not -1 <= parent < i:
+                raise ValueError(f"draft node {i} has parent {parent}: parents must come first")
+            if (parent, tok) in seen:
+                raise ValueError(f"draft node {i} repeats token {tok} among its siblings")
+            seen.add((parent, tok))
+
+    @classmethod
+    def chain(cls, tokens) -> "DraftTree":
+        tokens = tuple(tokens)
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def cut(self, n: int) -> "DraftTree":
+        """The first n nodes (a tree again: parents come first)."""
+        return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for children of the root."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from depth 1 down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent to the runner the first time it sees a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    req_id: str
+    token_ids: list[int]     # tokens to compute this step, at positions start_pos...
+    start_pos: int           # = num_computed_tokens before the step
+    block_table: list[int]
+    sample: bool             # sample a token from the logits of the last one
+    draft_parents: tuple[int, ...] = ()  # a draft tree's parents; its tokens end token_ids
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprob: float                       # of the sampled token
+    top: list[tuple[int, float]]         # (token id, logprob), most probable first
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, list[int]]                        # req_id -> new tokens
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    drafts: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> draft for its next step
+
+
+@dataclass(frozen=True)
+class SpecHost:
+    """What the runner lends speculative decoding for one step, and nothing more of itself.
+
+    `sample` samples plain rows (one per request) and commits the tokens; `probs` gives one
+    request's sampling distribution over several rows (rejection sampling); `request` is a
+    read-only view of a request's state (`params`, `generator`, `prompt_token_ids`,
+    `output_token_ids`); `commit` appends accepted tokens to its output; `move_kv` copies
+    KV entries between cache slots (accepted draft nodes into place); `generator` draws for
+    requests without a seed of their own.
+    """
+
+    sample: Callable[[Any, list[str]], RunnerOutput]
+    probs: Callable[[Any, str], Any]
+    request: Callable[[str], Any]
+    commit: Callable[[str, list[int]], None]
+    move_kv: Callable[[Any, Any], None]
+    generator: Any

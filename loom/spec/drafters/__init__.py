@@ -1,6 +1,0 @@
-"""Drafters, one module each, registered by name in `DRAFTERS` (see base.py)."""
-
-from loom.spec.drafters import auto, draft_model, lookahead, prompt_lookup, token_recycling  # noqa: F401 (register)
-from loom.spec.drafters.base import DRAFTERS, DraftEnv, Drafter, DraftRequest, Observation, register
-
-__all__ = ["DRAFTERS", "DraftEnv", "DraftRequest", "Drafter", "Observation", "register"]

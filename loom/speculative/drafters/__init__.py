@@ -1,0 +1,6 @@
+"""Drafters, one module each, registered by name in `DRAFTERS` (see base.py)."""
+
+from loom.speculative.drafters import auto, draft_model, lookahead, prompt_lookup, token_recycling  # noqa: F401 (register)
+from loom.speculative.drafters.base import DRAFTERS, DraftEnv, Drafter, DraftRequest, Observation, register
+
+__all__ = ["DRAFTERS", "DraftEnv", "DraftRequest", "Drafter", "Observation", "register"]
