@@ -128,11 +128,16 @@ def test_signal_stops_every_process(long_model, tmp_path, sig) -> None:
         assert engine_children(server)
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                           json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: {"))
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
             server.process.send_signal(sig)
-            for _ in r.iter_lines():  # the server closes the stream
+            try:
+                for _ in lines:  # the server closes the stream
+                    pass
+            except httpx.HTTPError:  # ... possibly mid-chunk
                 pass
-        assert server.process.wait(timeout=30) == 0
+        # uvicorn shuts down, then re-raises the signal: the status is 0 or the signal's
+        assert server.process.wait(timeout=30) in (0, -sig, 128 + sig)
         gone, alive = psutil.wait_procs(kids, timeout=15)
         assert not alive, f"left behind: {[p.pid for p in alive]}"
         assert not server.logged_tracebacks()
