@@ -156,9 +156,12 @@ class ProcessEngineClient:
         self.process = spawn.Process(target=run_engine_core, name="loom-engine-core", daemon=True,
                                      args=(config, self._input_addr, self._output_addr, log_level))
         self.process.start()
-        # the tokenizer loads here while the engine process loads the model
-        self.tokenizer = Tokenizer.from_gguf(GGUFFile.open(resolve_model(config.load.model)))
-        ready = self._wait_ready()
+        try:  # the tokenizer loads here while the engine process loads the model
+            self.tokenizer = Tokenizer.from_gguf(GGUFFile.open(resolve_model(config.load.model)))
+            ready = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         self.model_name, self.max_model_len, self.vocab_size = ready.model_name, ready.max_model_len, ready.vocab_size
         self._stats = ready.stats
 
@@ -216,6 +219,8 @@ class ProcessEngineClient:
             self._close_now()
 
     def _close_now(self) -> None:
+        if self._input.closed:
+            return
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.process.sentinel)
         self._input.close(0)
