@@ -70,8 +70,12 @@ def main() -> None:
     wrap(model, "compute_logits", totals, "logits")
     wrap(runner, "_sample", totals, "sample")
     wrap(engine, "_process_outputs", totals, "detokenize")
+    import loom.model.arch.llama as llama_mod
+    import loom.model.layers.linear as linear_mod
     import loom.model.runner as runner_mod
     wrap(runner_mod, "build_batch", totals, "build_batch")
+    wrap(llama_mod, "paged_attention_stored", totals, "attention")      # inside forward
+    wrap(linear_mod.QuantLinear, "__call__", totals, "qgemm")           # inside forward and logits
     best: dict[int, dict] = {}
     for _ in range(args.repeats):
         for b in (int(x) for x in args.batches.split(",")):
