@@ -33,11 +33,11 @@ SAMPLE = EngineSample(num_running=1, num_waiting=2, kv_usage=0.25, num_preemptio
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory: pytest.TempPathFactory):
     """A tiny llama with room for a long stream (the engine is killed while it runs)."""
-    return tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("engine_process") / "tiny-long.gguf", context=4096)
+    return tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("engine_process") / "tiny-long.gguf", context=16384)
 
 
 def start(name: str, model, log_dir, *extra: str) -> LoomServer:
-    return LoomServer(name, model, ["--threads", "1", "--num-blocks", "512", *extra], log_dir).wait_ready()
+    return LoomServer(name, model, ["--threads", "1", "--num-blocks", "2048", *extra], log_dir).wait_ready()
 
 
 def engine_children(server: LoomServer) -> list[psutil.Process]:
@@ -73,7 +73,7 @@ def test_killed_engine_fails_streams_and_answers_503(long_model, tmp_path) -> No
     server = start("killed", long_model, tmp_path)
     try:
         [engine] = engine_children(server)
-        body = {"model": "tiny-long", "prompt": "hello", "max_tokens": 4000, "ignore_eos": True,
+        body = {"model": "tiny-long", "prompt": "hello", "max_tokens": 15000, "ignore_eos": True,
                 "temperature": 0}
         waiting: dict = {}
 
