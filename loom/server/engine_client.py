@@ -141,6 +141,7 @@ class ProcessEngineClient:
         # outputs come in through an asyncio one read by the loop
         self._input = zmq.Context.instance().socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # a burst of requests during a long step queues, never fails
         self._input.bind(self._input_addr)
         self._output = self._zmq.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)

@@ -117,6 +117,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context(1)
     inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
     inputs.connect(input_addr)
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 2000)
