@@ -241,8 +241,8 @@ class ProcessEngineClient:
         self._queues[rid] = queue
         finished = False
         try:
-            self._send(wire.AddRequest(rid, prompt, params if params is not None else SamplingParams(), priority,
-                                       pickle.dumps(fanout) if fanout is not None else None))
+            self._send(wire.AddRequest(rid, prompt, pickle.dumps(params if params is not None else SamplingParams()),
+                                       priority, pickle.dumps(fanout) if fanout is not None else None))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -92,7 +92,7 @@ class EngineCore:
     def _add(self, msg: wire.AddRequest, errors: list[wire.RequestError]) -> None:
         try:
             fanout = pickle.loads(msg.fanout) if msg.fanout is not None else None
-            self.engine.add_request(msg.prompt, msg.params, msg.request_id, msg.priority, fanout=fanout)
+            self.engine.add_request(msg.prompt, pickle.loads(msg.params), msg.request_id, msg.priority, fanout=fanout)
         except LoomError as e:
             errors.append(wire.RequestError(msg.request_id, type(e).__name__, str(e)))
         except Exception as e:  # noqa: BLE001 - a bug in admission fails this request, not the engine

@@ -6,9 +6,10 @@ Engine core -> front end (another): `Ready` once the model is loaded (or `Failed
 at admission, and the engine's counters for /metrics. `Dead` is the last word of an engine
 step that raised.
 
-Sampling parameters and outputs are loom's own dataclasses (msgspec encodes and validates
-them by their annotations); a fan-out request's stop policy is an arbitrary object, so it
-travels pickled.
+Outputs (the per-step traffic) are loom's own dataclasses, which msgspec encodes and decodes
+by their annotations. A request's `SamplingParams` and fan-out options travel pickled: they may
+hold objects msgspec cannot describe (a stop policy, a grammar), and the engine validates the
+parameters again when it adds the request.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from typing import Any, Union
 import msgspec
 
 from loom.outputs import RequestOutput
-from loom.sampling_params import SamplingParams
 from loom.server.metrics import EngineSample
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt: Union[str, list[int], dict[str, Any], None]
-    params: SamplingParams
+    params: bytes               # pickled SamplingParams
     priority: int = 0
     fanout: bytes | None = None  # pickled FanOutOptions
 
