@@ -252,6 +252,9 @@ def serve(
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Log one line per request."),
+    engine_process: bool = typer.Option(True, "--engine-process/--no-engine-process",
+                                        help="Run the engine in its own process (the HTTP front end in this "
+                                             "one); --no-engine-process keeps it on a thread here."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web playground at /."""
     from loom.config import EngineConfig
@@ -269,7 +272,7 @@ def serve(
                                  speculative_config=_json_option(speculative_config, "--speculative-config"))
     run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
-               access_log=access_log)
+               access_log=access_log, engine_process=engine_process)
 
 
 def _json_option(text: str | None, flag: str):

@@ -28,3 +28,7 @@ class TokenizerError(LoomError):
 
 class InvalidRequestError(LoomError, ValueError):
     """A request's prompt or sampling parameters are invalid."""
+
+
+class EngineDeadError(LoomError):
+    """The engine (its process or thread) is gone: nothing can be served until it is restarted."""

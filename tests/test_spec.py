@@ -264,14 +264,14 @@ def test_sampled_outputs_follow_the_target_distribution_in_the_engine(tiny_parts
 
 
 def test_spec_metrics_are_exported_with_vllm_names(tiny_parts):
-    from loom.server.metrics import ServerMetrics
+    from loom.server.metrics import ServerMetrics, read_engine_sample
 
     engine = tiny_engine(tiny_parts, method_config("prompt_lookup"))
     run(engine, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 
-    class Snap:
-        def snapshot(self, fn):
-            return fn(engine)
+    class Snap:  # an engine client's stats()
+        def stats(self):
+            return read_engine_sample(engine)
 
     text = ServerMetrics(Snap(), "tiny").exposition().decode()
     stats = engine.runner.spec.stats

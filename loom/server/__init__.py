@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `build_app(async_engine, ...)` and `run_server(...)`."""
+"""The OpenAI-compatible HTTP server: `build_app(engine_client, ...)` and `run_server(...)`."""
 
 from loom.server.openai_api import build_app
 from loom.server.serve import run_server

@@ -2,8 +2,9 @@
 
 Each app owns its `CollectorRegistry`. Two kinds of series:
 
-* engine state (gauges, and counters the engine keeps cumulatively) is read at scrape time,
-  under the engine lock via `AsyncEngine.snapshot`, so a scrape sees one consistent step;
+* engine state (gauges, and counters the engine keeps cumulatively) is read at scrape time
+  from the engine client (`EngineClient.stats`): one consistent step, read under the engine
+  lock in process or sent by the engine process with its latest step;
 * per-request latencies and outcomes are observed by the API layer as outputs arrive
   (`RequestTracker`), from the engine's monotonic timestamps.
 
@@ -22,7 +23,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loom.engine.async_engine import AsyncEngine
 from loom.outputs import RequestOutput
 from loom.speculative.decoder import SpecStats
 
@@ -49,25 +49,27 @@ class EngineSample:
     spec: SpecStats | None = None     # speculative decoding counters; None when it is off
 
 
-def sample_engine(ae: AsyncEngine) -> EngineSample:
-    """Reads the engine's state under its lock (waits for a running step to end)."""
+def read_engine_sample(engine) -> EngineSample:
+    """The counters and gauges of `engine` now (the caller holds whatever keeps it still)."""
+    s, kv, spec = engine.scheduler.stats, engine.kv, engine.spec
+    return EngineSample(num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+                        kv_usage=float(kv.usage()), num_preemptions=s.num_preemptions,
+                        prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
+                        prefix_cache_queries=kv.stats.prefix_cache_queries,
+                        prefix_cache_hits=kv.stats.prefix_cache_hits,
+                        spec=None if spec is None else copy.deepcopy(spec.stats))
 
-    def read(engine) -> EngineSample:
-        s, kv, spec = engine.scheduler.stats, engine.kv, engine.spec
-        return EngineSample(num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-                            kv_usage=float(kv.usage()), num_preemptions=s.num_preemptions,
-                            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
-                            prefix_cache_queries=kv.stats.prefix_cache_queries,
-                            prefix_cache_hits=kv.stats.prefix_cache_hits,
-                            spec=None if spec is None else copy.deepcopy(spec.stats))
 
-    return ae.snapshot(read)
+def sample_engine(client) -> EngineSample:
+    """The engine's counters through its client (`loom.server.engine_client`): read under the
+    engine lock in process, or the figures the engine process sent with its latest step."""
+    return client.stats()
 
 
 class _EngineCollector(Collector):
     """Engine series, computed at each scrape."""
 
-    def __init__(self, ae: AsyncEngine, model_name: str):
+    def __init__(self, ae, model_name: str):
         self.ae = ae
         self.model_name = model_name
 
@@ -115,7 +117,7 @@ def _spec_metrics(st: SpecStats, labels: list[str], counter) -> Iterator[Metric]
 class ServerMetrics:
     """The registry of one app, and the request-level series the API layer feeds."""
 
-    def __init__(self, ae: AsyncEngine, model_name: str):
+    def __init__(self, ae, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(ae, model_name))

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over an `AsyncEngine`: `build_app(async_engine, ...)`.
+"""The OpenAI-compatible HTTP API over an engine client: `build_app(client, ...)`.
 
 Endpoints:
 
@@ -37,11 +37,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
 from loom.engine.async_engine import AsyncEngine
-from loom.errors import LoomError, TokenizerError
+from loom.errors import EngineDeadError, LoomError, TokenizerError
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
-from loom.server.errors import INVALID_REQUEST, ApiError, ClientDisconnected, install_error_handlers
+from loom.server.engine_client import EngineClient, InProcessEngineClient
+from loom.server.errors import (
+    ENGINE_RETRY_AFTER_SECONDS,
+    INVALID_REQUEST,
+    ApiError,
+    ClientDisconnected,
+    install_error_handlers,
+)
 from loom.server.limits import BodySizeLimit
 from loom.server.logprobs import chat_logprobs, completion_logprobs
 from loom.server.metrics import ServerMetrics, sample_engine
@@ -161,7 +168,7 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
 class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API answers."""
 
-    def __init__(self, ae: AsyncEngine, served_model_name: str, max_tokens_limit: int | None,
+    def __init__(self, ae: EngineClient, served_model_name: str, max_tokens_limit: int | None,
                  metrics: ServerMetrics):
         self.ae = ae
         self.model = served_model_name
@@ -408,7 +415,9 @@ class OpenAIServing:
 
     @staticmethod
     def _stream_error(e: Exception) -> str:
-        if isinstance(e, LoomError):
+        if isinstance(e, EngineDeadError):
+            kind, message = "server_error", str(e)
+        elif isinstance(e, LoomError):
             kind, message = INVALID_REQUEST, str(e)
         else:
             log.error("stream failed: %r", e)
@@ -417,13 +426,12 @@ class OpenAIServing:
 
     # -- models and stats ------------------------------------------------------------------------
     def model_card(self) -> ModelCard:
-        engine = self.ae.engine
-        return ModelCard(id=self.model, created=self.created, root=str(engine.model_name),
-                         max_model_len=engine.max_model_len)
+        return ModelCard(id=self.model, created=self.created, root=self.ae.model_name,
+                         max_model_len=self.ae.max_model_len)
 
     async def stats(self) -> StatsResponse:
         s = await asyncio.to_thread(sample_engine, self.ae)
-        return StatsResponse(model=self.model, max_model_len=self.ae.engine.max_model_len,
+        return StatsResponse(model=self.model, max_model_len=self.ae.max_model_len,
                              num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                              kv_cache_usage=s.kv_usage, num_preemptions=s.num_preemptions,
                              prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
@@ -504,17 +512,18 @@ def _finish_openapi(app: FastAPI, chunk_models: list[type], **limits: Any) -> No
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str | None = None,
+def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None, served_model_name: str | None = None,
               max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving `async_engine`; the engine thread starts and stops with the app.
+    """The FastAPI app serving `engine` (an engine client, or an `AsyncEngine` to run in this
+    process); the engine starts and stops with the app.
 
     served_model_name: the name clients must send as `model` (default: the registry name, or
         the file stem of a .gguf path).
     max_tokens_limit: the largest max_tokens a request may ask for (default: the context).
     max_body_bytes: larger request bodies are refused with 413.
     """
-    ae = async_engine
-    name = served_model_name or default_served_name(str(ae.engine.model_name))
+    ae = InProcessEngineClient(engine) if isinstance(engine, AsyncEngine) else engine
+    name = served_model_name or default_served_name(ae.model_name)
     metrics = ServerMetrics(ae, name)
     serving = OpenAIServing(ae, name, max_tokens_limit, metrics)
 
@@ -572,11 +581,12 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS})
     async def health():
-        """200 while the engine thread is alive."""
+        """200 while the engine is alive; 503 (with Retry-After) once it is gone."""
         if ae.error is not None:
             return JSONResponse(ErrorResponse.model_validate(
-                {"error": {"message": f"engine failed: {ae.error!r}", "type": "server_error"}}).model_dump(),
-                status_code=503)
+                {"error": {"message": f"engine failed: {ae.error}", "type": "server_error",
+                           "code": "engine_unavailable"}}).model_dump(),
+                status_code=503, headers={"Retry-After": str(ENGINE_RETRY_AFTER_SECONDS)})
         return HealthResponse()
 
     @app.get("/version", response_model=VersionResponse)
@@ -596,5 +606,5 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
-                    vocab_size=int(ae.engine.model.cfg.vocab_size), max_tokens_limit=max_tokens_limit)
+                    vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
     return app

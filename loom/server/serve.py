@@ -1,8 +1,10 @@
-"""Running the API with uvicorn: load the engine first, then listen.
+"""Running the API with uvicorn: start the engine first, then listen.
 
+By default the engine runs in its own process (`loom/server/engine_core.py`) and this process
+is the HTTP front end; `engine_process=False` keeps the engine on a thread of this process.
 The model is loaded before the socket is bound, so a bad model path fails the command with
 its `LoomError` message instead of a half-started server; uvicorn logs the address once it
-listens.
+listens. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process.
 """
 
 from __future__ import annotations
@@ -12,22 +14,22 @@ import logging
 import uvicorn
 
 from loom.config import EngineConfig
-from loom.engine.async_engine import AsyncEngine
+from loom.server.engine_client import engine_client
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
 
 
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_tokens_limit: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-               access_log: bool = True) -> None:
+               access_log: bool = True, engine_process: bool = True) -> None:
     """Loads the model of `config` and serves it until interrupted (Ctrl-C / SIGTERM)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    ae = AsyncEngine.from_config(config)
-    app = build_app(ae, api_key=api_key, served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,
-                    max_body_bytes=max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           access_log=access_log, timeout_graceful_shutdown=5))
+    client = engine_client(config, engine_process=engine_process, log_level=log_level)
     try:
+        app = build_app(client, api_key=api_key, served_model_name=served_model_name,
+                        max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               access_log=access_log, timeout_graceful_shutdown=5))
         server.run()
     finally:
-        ae.shutdown()
+        client.shutdown()

@@ -1,0 +1,337 @@
+"""What the HTTP front end talks to: an `EngineClient`, in this process or in an engine-core process.
+
+The interface (what openai_api.py, choices and metrics use):
+
+    generate(prompt, params, request_id, priority, fanout)  -> async stream of RequestOutputs
+    abort(request_id)                                        # ends it, frees its KV blocks
+    stats() -> EngineSample                                  # /metrics, /v1/loom/stats
+    tokenizer, model_name, max_model_len, vocab_size, error  # error: why the engine is gone
+    start() / shutdown()                                     # with the app's lifespan
+
+`ProcessEngineClient` (the default of `loom serve`):
+
+    front end (this process)                       engine core (loom/server/engine_core.py)
+    FastAPI, tokenization, SSE        AddRequest / AbortRequests / Shutdown ->   Engine.step() loop
+    reader task -> per-request queues   <- StepOutputs (one per step)            detokenization
+    watches the process sentinel                                                 stop strings
+
+`InProcessEngineClient` wraps an `AsyncEngine` (engine thread in this process): the
+`--no-engine-process` mode, and tests that build an app around an engine.
+
+When the engine process dies, every open stream gets `EngineDeadError` (a stream's error
+event; a non-streamed request's 503), new requests are refused with 503 + Retry-After, and
+/health answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+import shutil
+import tempfile
+import uuid
+from typing import AsyncIterator, Protocol
+
+import zmq
+import zmq.asyncio
+
+from loom import errors as loom_errors
+from loom.config import EngineConfig
+from loom.engine.async_engine import AsyncEngine
+from loom.engine.engine import QueueFullError
+from loom.errors import EngineDeadError, LoomError
+from loom.loader.gguf import GGUFFile
+from loom.loader.registry import resolve_model
+from loom.loader.tokenizer import Tokenizer
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.server import wire
+from loom.server.engine_core import run_engine_core
+from loom.server.metrics import EngineSample, read_engine_sample
+
+log = logging.getLogger("loom.server")
+
+STARTUP_POLL_MS = 200
+SHUTDOWN_GRACE_S = 5.0
+
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in vars(loom_errors).values()
+    if isinstance(cls, type) and issubclass(cls, LoomError)}
+_ERRORS[QueueFullError.__name__] = QueueFullError
+
+
+def _rebuild_error(kind: str, message: str) -> Exception:
+    """The engine process's exception as the same class here (a LoomError keeps its HTTP status)."""
+    cls = _ERRORS.get(kind)
+    if cls is None:
+        return RuntimeError(message)
+    try:
+        return cls(message)
+    except TypeError:  # a constructor with other arguments: keep the message, lose the subclass
+        return LoomError(message)
+
+
+class EngineClient(Protocol):
+    """What the front end needs of an engine (see the module docstring)."""
+
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    error: BaseException | None
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                 priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineSample: ...
+
+
+class InProcessEngineClient:
+    """The engine thread of an `AsyncEngine` in this process, behind the client interface."""
+
+    def __init__(self, ae: AsyncEngine):
+        self.ae = ae
+        self.tokenizer = ae.tokenizer
+        self.model_name = str(ae.engine.model_name)
+        self.max_model_len = int(ae.engine.max_model_len)
+        self.vocab_size = int(ae.engine.model.cfg.vocab_size)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.ae.error
+
+    def start(self) -> None:
+        self.ae.start()
+
+    def shutdown(self) -> None:
+        self.ae.shutdown()
+
+    def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                 priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
+        return self.ae.generate(prompt, params, request_id, priority, fanout=fanout)
+
+    def abort(self, request_id: str) -> None:
+        self.ae.abort(request_id)
+
+    def stats(self) -> EngineSample:
+        return self.ae.snapshot(read_engine_sample)
+
+
+class ProcessEngineClient:
+    """The engine in its own process, over ZMQ (see the module docstring).
+
+    The constructor starts the process and returns once the model is loaded (raising the
+    engine's LoomError if it cannot load); `start()` (inside the server's event loop) starts
+    reading its outputs."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "info"):
+        self._dir = tempfile.mkdtemp(prefix="loom-engine-")
+        self._input_addr = f"ipc://{self._dir}/input"
+        self._output_addr = f"ipc://{self._dir}/output"
+        self._zmq = zmq.asyncio.Context(1)
+        # requests go out through a plain socket (sent without blocking, from any thread),
+        # outputs come in through an asyncio one read by the loop
+        self._input = zmq.Context.instance().socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # a burst of requests during a long step queues, never fails
+        self._input.bind(self._input_addr)
+        self._output = self._zmq.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(self._output_addr)
+        self._encoder = wire.input_encoder()
+        self._decoder = wire.output_decoder()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_engine_core, name="loom-engine-core", daemon=True,
+                                     args=(config, self._input_addr, self._output_addr, log_level))
+        self.process.start()
+        try:  # the tokenizer loads here while the engine process loads the model
+            self.tokenizer = Tokenizer.from_gguf(GGUFFile.open(resolve_model(config.load.model)))
+            ready = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model_name, self.max_model_len, self.vocab_size = ready.model_name, ready.max_model_len, ready.vocab_size
+        self._stats = ready.stats
+
+    def _wait_ready(self) -> wire.Ready:
+        raw = zmq.Socket.shadow(self._output.underlying)  # a blocking view of the same socket
+        while True:
+            if raw.poll(STARTUP_POLL_MS):
+                msg = self._decoder.decode(raw.recv())
+                if isinstance(msg, wire.Ready):
+                    return msg
+                self._close_sockets()
+                self.process.join(SHUTDOWN_GRACE_S)
+                if isinstance(msg, wire.Failed):
+                    raise _rebuild_error(msg.kind, msg.message)
+                raise LoomError(f"engine process failed while loading: {msg}")
+            if not self.process.is_alive():
+                self._close_sockets()
+                raise LoomError(f"engine process exited with status {self.process.exitcode} while loading "
+                                f"the model (see the log above)")
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._reader is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read(), name="loom-engine-outputs")
+        self._loop.add_reader(self.process.sentinel, self._on_exit)
+
+    def shutdown(self) -> None:
+        """Stops the engine process (politely, then by signal) and removes its sockets; the
+        reader task ends with the sockets. Safe to call twice and from another thread."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.process.is_alive():
+            try:
+                self._input.send(self._encoder.encode(wire.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(SHUTDOWN_GRACE_S)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(SHUTDOWN_GRACE_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Closes the sockets on the event loop's thread when it runs (asyncio sockets belong to it)."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _in_loop(loop):
+            loop.call_soon_threadsafe(self._close_now)
+        else:
+            self._close_now()
+
+    def _close_now(self) -> None:
+        if self._input.closed:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.process.sentinel)
+        self._input.close(0)
+        self._output.close(0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- requests ----------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; raises its admission error (InvalidRequestError,
+        QueueFullError, ...) at the first iteration, EngineDeadError if the engine is gone."""
+        self._check_alive()
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if isinstance(prompt, str):  # tokenized here, off the engine's core
+            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._send(wire.AddRequest(rid, prompt, pickle.dumps(params if params is not None else SamplingParams()),
+                                       priority, pickle.dumps(fanout) if fanout is not None else None))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # refused or failed: nothing to abort
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        if self.error is None and not self._stopping:
+            try:
+                self._send(wire.AbortRequests([request_id]))
+            except EngineDeadError:
+                pass
+
+    def stats(self) -> EngineSample:
+        return self._stats
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+
+    def _send(self, msg) -> None:
+        try:
+            self._input.send(self._encoder.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            raise EngineDeadError(f"the engine process does not take requests: {e}") from None
+
+    # -- outputs -----------------------------------------------------------------------
+    async def _read(self) -> None:
+        queues = self._queues
+        while True:
+            try:
+                frame = await self._output.recv(copy=False)
+            except zmq.ZMQError:  # the sockets were closed by shutdown()
+                return
+            msg = self._decoder.decode(frame.buffer)
+            if isinstance(msg, wire.StepOutputs):
+                for out in msg.outputs:
+                    queue = queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                for err in msg.errors:
+                    queue = queues.get(err.request_id)
+                    if queue is not None:
+                        queue.put_nowait(_rebuild_error(err.kind, err.message))
+                self._stats = msg.stats
+            elif isinstance(msg, wire.Dead):
+                self._fail(EngineDeadError(f"the engine process failed: {msg.message}"))
+
+    def _on_exit(self) -> None:
+        """The engine process ended (its sentinel became readable)."""
+        assert self._loop is not None
+        self._loop.remove_reader(self.process.sentinel)
+        if self._stopping:
+            return
+        self.process.join(0.1)
+        code = self.process.exitcode
+        log.error("the engine process (pid %s) exited with status %s", self.process.pid, code)
+        if self.error is None:
+            self._fail(EngineDeadError(f"the engine process exited (status {code})"))
+        else:
+            self._fail(self.error)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def engine_client(config: EngineConfig, *, engine_process: bool = True, log_level: str = "info"):
+    """The client `loom serve` uses: the engine in its own process (default) or in this one."""
+    if engine_process:
+        return ProcessEngineClient(config, log_level=log_level)
+    return InProcessEngineClient(AsyncEngine.from_config(config))
+
+

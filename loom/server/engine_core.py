@@ -1,0 +1,140 @@
+"""The engine-core process: owns the model and runs the step loop; the HTTP front end is elsewhere.
+
+`run_engine_core` is the process's entry point (started by `ProcessEngineClient`). It loads
+the engine, says `Ready` (or `Failed`), then loops:
+
+    inputs  = every message waiting (blocking only while idle)   # add / abort / shutdown
+    outputs = engine.step()                                      # schedule, execute, update
+    send one StepOutputs: the step's outputs, admission errors, the engine's counters
+
+so the front end receives one message per step, whatever the batch size. The process
+ignores SIGINT (the front end owns the terminal and stops it with `Shutdown`), and dies with
+its parent (PR_SET_PDEATHSIG, plus a parent check while idle): no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+
+import zmq
+
+from loom.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.errors import LoomError
+from loom.server import wire
+from loom.server.metrics import read_engine_sample
+
+log = logging.getLogger("loom.engine_core")
+
+IDLE_POLL_MS = 500
+PR_SET_PDEATHSIG = 1
+
+
+class EngineCore:
+    """The step loop over two ZMQ sockets (see the module docstring)."""
+
+    def __init__(self, engine: Engine, inputs: zmq.Socket, outputs: zmq.Socket):
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.decoder = wire.input_decoder()
+        self.encoder = wire.output_encoder()
+        self.parent = os.getppid()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            pending_out: list = []
+            errors: list[wire.RequestError] = []
+            busy = self.engine.has_unfinished_requests()
+            if not busy and not self.inputs.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent:  # the front end is gone
+                    return
+                continue
+            self._drain(pending_out, errors)
+            if self.running and self.engine.has_unfinished_requests():
+                try:
+                    pending_out.extend(self.engine.step())
+                except BaseException as e:  # a bug: the front end fails every stream instead of hanging
+                    self._send(wire.Dead(f"engine step failed: {e!r}"))
+                    raise
+            if pending_out or errors or not busy:
+                self._send(wire.StepOutputs(pending_out, errors, read_engine_sample(self.engine)))
+
+    def _drain(self, pending_out: list, errors: list[wire.RequestError]) -> None:
+        """Handles every input message waiting now, without blocking."""
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self.decoder.decode(frame.buffer)
+            except Exception:  # noqa: BLE001 - a malformed message must not stop the engine
+                log.exception("undecodable input message dropped")
+                continue
+            if isinstance(msg, wire.AddRequest):
+                self._add(msg, errors)
+            elif isinstance(msg, wire.AbortRequests):
+                for rid in msg.request_ids:
+                    out = self.engine.abort(rid)
+                    if out is not None:
+                        pending_out.append(out)
+            else:
+                self.running = False
+                return
+
+    def _add(self, msg: wire.AddRequest, errors: list[wire.RequestError]) -> None:
+        try:
+            fanout = pickle.loads(msg.fanout) if msg.fanout is not None else None
+            self.engine.add_request(msg.prompt, pickle.loads(msg.params), msg.request_id, msg.priority, fanout=fanout)
+        except LoomError as e:
+            errors.append(wire.RequestError(msg.request_id, type(e).__name__, str(e)))
+        except Exception as e:  # noqa: BLE001 - a bug in admission fails this request, not the engine
+            log.exception("add_request failed")
+            errors.append(wire.RequestError(msg.request_id, "RuntimeError", f"engine refused the request: {e!r}"))
+
+    def _send(self, msg) -> None:
+        self.outputs.send(self.encoder.encode(msg), copy=False)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the idle parent check remains
+        pass
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "info") -> None:
+    """Entry point of the engine-core process (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context(1)
+    inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 2000)
+    outputs.connect(output_addr)
+    encoder = wire.output_encoder()
+    try:
+        engine = Engine(config)
+    except LoomError as e:
+        outputs.send(encoder.encode(wire.Failed(type(e).__name__, str(e))))
+        outputs.close()
+        ctx.term()
+        sys.exit(1)
+    outputs.send(encoder.encode(wire.Ready(str(engine.model_name), int(engine.max_model_len),
+                                           int(engine.model.cfg.vocab_size), read_engine_sample(engine))))
+    try:
+        EngineCore(engine, inputs, outputs).run()
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        ctx.term()

@@ -1,0 +1,172 @@
+"""`loom serve` with the engine in its own process: the wire format, a dying engine, shutdown.
+
+Real `loom serve` processes (tests/loom_server.py) over a tiny llama: the engine process is
+killed mid-stream (the stream ends with an error event, a waiting non-streamed request gets
+503, /health and new requests get 503 with Retry-After); SIGTERM and SIGINT leave no process
+behind; `--no-engine-process` still serves.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import signal
+import threading
+
+import httpx
+import msgspec
+import psutil
+import pytest
+from loom_server import LoomServer, wait_for
+
+import tiny_gguf
+from loom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.server import wire
+from loom.server.metrics import EngineSample
+
+pytestmark = [pytest.mark.slow]
+
+SAMPLE = EngineSample(num_running=1, num_waiting=2, kv_usage=0.25, num_preemptions=0, prompt_tokens=5,
+                      generation_tokens=7, prefix_cache_queries=5, prefix_cache_hits=0)
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny llama with room for a long stream (the engine is killed while it runs)."""
+    return tiny_gguf.write_tiny_llama(tmp_path_factory.mktemp("engine_process") / "tiny-long.gguf", context=16384)
+
+
+def start(name: str, model, log_dir, *extra: str) -> LoomServer:
+    return LoomServer(name, model, ["--threads", "1", "--num-blocks", "2048", *extra], log_dir).wait_ready()
+
+
+def engine_children(server: LoomServer) -> list[psutil.Process]:
+    """The server's engine-core process (its spawned child that is not the resource tracker)."""
+    kids = psutil.Process(server.process.pid).children(recursive=True)
+    return [p for p in kids if "spawn_main" in " ".join(p.cmdline())]
+
+
+# -- the wire format ---------------------------------------------------------------------------
+
+
+def test_step_outputs_round_trip() -> None:
+    out = RequestOutput("r-1", "hi", [1, 2], [CompletionOutput(
+        0, "ab", [3, 4], cumulative_logprob=-1.5, logprobs=[{3: Logprob(-0.5, 1, "a")}, {4: Logprob(-1.0, 2, "b")}],
+        finish_reason="stop", stop_reason="\n", delta_text="b", delta_token_ids=[4])], True,
+        RequestMetrics(arrival_time=1.0, first_token_time=2.0), num_cached_tokens=1)
+    msg = wire.StepOutputs([out], [wire.RequestError("r-2", "QueueFullError", "full")], SAMPLE)
+    back = wire.output_decoder().decode(wire.output_encoder().encode(msg))
+    assert back == msg
+
+
+def test_add_request_round_trip() -> None:
+    params = SamplingParams(temperature=0.5, stop=["\n", "END"], stop_token_ids=[7], max_tokens=9, logprobs=2)
+    msg = wire.AddRequest("r-1", {"prompt": "x", "prompt_token_ids": [1, 2]}, pickle.dumps(params), 3, None)
+    back = wire.input_decoder().decode(wire.input_encoder().encode(msg))
+    assert pickle.loads(back.params) == params and back.prompt == msg.prompt and back.priority == 3
+    assert isinstance(wire.input_decoder().decode(wire.input_encoder().encode(wire.AbortRequests(["a"]))),
+                      wire.AbortRequests)
+
+
+# -- a dying engine process --------------------------------------------------------------------
+
+
+def test_killed_engine_fails_streams_and_answers_503(long_model, tmp_path) -> None:
+    server = start("killed", long_model, tmp_path)
+    try:
+        [engine] = engine_children(server)
+        body = {"model": "tiny-long", "prompt": "hello", "max_tokens": 15000, "ignore_eos": True,
+                "temperature": 0}
+        waiting: dict = {}
+
+        def non_streamed() -> None:
+            waiting["response"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+        thread = threading.Thread(target=non_streamed)
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:  # the stream runs: kill its engine
+                if line.startswith("data: {"):
+                    thread.start()
+                    wait_for(lambda: _running(server) >= 2, what="both requests running")
+                    engine.kill()
+                    break
+            events = [line for line in lines if line.startswith("data: ")]
+        thread.join(60)
+        assert not thread.is_alive()
+        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {\"error\"")]
+        assert events[-1] == "data: [DONE]"
+        assert len(errors) == 1 and "engine process exited" in errors[0]["message"]
+        assert errors[0]["type"] == "server_error"
+        answer = waiting["response"]
+        assert answer.status_code == 503 and answer.headers["retry-after"]
+        assert "engine process exited" in answer.json()["error"]["message"]
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.headers["retry-after"]
+        assert "engine" in health.json()["error"]["message"]
+        late = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.headers["retry-after"]
+        assert late.json()["error"]["code"] == "engine_unavailable"
+        assert server.process.poll() is None  # the front end stays up and says so
+    finally:
+        server.stop()
+
+
+def _running(server: LoomServer) -> float:
+    stats = httpx.get(f"{server.url}/v1/loom/stats", timeout=10).json()
+    return stats["num_requests_running"]
+
+
+# -- shutdown ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_every_process(long_model, tmp_path, sig) -> None:
+    server = start(f"signal-{sig.name}", long_model, tmp_path)
+    try:
+        kids = psutil.Process(server.process.pid).children(recursive=True)
+        assert engine_children(server)
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.process.send_signal(sig)
+            try:
+                for _ in lines:  # the server closes the stream
+                    pass
+            except httpx.HTTPError:  # ... possibly mid-chunk
+                pass
+        # uvicorn shuts down, then re-raises the signal: the status is 0 or the signal's
+        assert server.process.wait(timeout=30) in (0, -sig, 128 + sig)
+        gone, alive = psutil.wait_procs(kids, timeout=15)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        assert not server.logged_tracebacks()
+    finally:
+        server.stop()
+
+
+def test_engine_dies_with_a_killed_front_end(long_model, tmp_path) -> None:
+    server = start("orphan", long_model, tmp_path)
+    try:
+        [engine] = engine_children(server)
+        server.process.kill()
+        server.process.wait(timeout=10)
+        gone, alive = psutil.wait_procs([engine], timeout=15)
+        assert not alive
+    finally:
+        server.stop()
+
+
+def test_in_process_engine_still_serves(long_model, tmp_path) -> None:
+    server = start("in-process", long_model, tmp_path, "--no-engine-process")
+    try:
+        assert not engine_children(server)
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        stats = httpx.get(f"{server.url}/v1/loom/stats", timeout=10).json()
+        assert stats["generation_tokens"] >= 5
+    finally:
+        server.stop()
