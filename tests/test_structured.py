@@ -200,7 +200,10 @@ def test_structured_outputs_field_on_both_endpoints(tiny: LoomServer) -> None:
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unknown field 'tools'"),
+    ({"functions": [{"name": "f"}]}, "functions", "unknown field 'functions'"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not in tools"),
     ({"logit_bias": {"1": 5}}, "logit_bias", "unknown field 'logit_bias'"),
     ({"frobnicate": True}, "frobnicate", "does not implement it"),
     ({"structured_outputs": {"regex": "a(b"}}, None, "structured_outputs.regex does not compile"),
@@ -224,3 +227,67 @@ def test_fields_that_cannot_change_the_output_are_accepted(tiny: LoomServer) -> 
                    json={"prompt": "hi", "max_tokens": 2, "user": "u1", "metadata": {"k": "v"}, "store": False,
                          "service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "s"}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+# -- tool calling ---------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}}}
+ASK = [{"role": "user", "content": "What is the weather and the time in Paris and in Rome?"}]
+
+
+@pytest.mark.real_model
+def test_required_and_named_tool_choice_always_give_calls_that_validate(real: LoomServer) -> None:
+    client = openai.OpenAI(base_url=real.base_url, api_key="none")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for choice, parallel in (("required", True), ({"type": "function", "function": {"name": "get_time"}}, False)):
+        r = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER, TIME],
+                                           tool_choice=choice, parallel_tool_calls=parallel,
+                                           max_completion_tokens=120, temperature=0)
+        c = r.choices[0]
+        if parallel and c.finish_reason == "length":   # a 135M model may list calls until max_tokens:
+            assert c.message.content.startswith('{"tool_calls": [{"name": "get_')   # the partial text, no calls
+            assert c.message.tool_calls is None
+            continue
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert c.message.tool_calls and (parallel or len(c.message.tool_calls) == 1)
+        for call in c.message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if not isinstance(choice, str):
+                assert call.function.name == "get_time"
+
+
+@pytest.mark.real_model
+def test_streamed_tool_calls_arrive_as_deltas_and_results_go_back(real: LoomServer) -> None:
+    client = openai.OpenAI(base_url=real.base_url, api_key="none")
+    stream = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER], stream=True,
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            max_completion_tokens=120, temperature=0)
+    deltas, finish = [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and deltas
+    first = deltas[0]
+    assert first.id and first.function.name == "get_weather"
+    args = json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0))
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": first.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": first.id, "content": '{"temperature": 21}'}]
+    r = client.chat.completions.create(model="smollm2-135m", messages=history, tools=[WEATHER], tool_choice="none",
+                                       max_completion_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+    auto = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER],
+                                          max_completion_tokens=60, temperature=0)
+    c = auto.choices[0]
+    assert (c.finish_reason == "tool_calls") == (c.message.tool_calls is not None)

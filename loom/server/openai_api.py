@@ -64,7 +64,9 @@ from loom.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorResponse,
     HealthResponse,
     ModelCard,
@@ -76,6 +78,7 @@ from loom.server.protocol import (
     VersionResponse,
 )
 from loom.server.sse import DONE, EventStreamResponse, event
+from loom.server.tools import ToolPlan, history_message, template_reads_tools, tool_dicts, with_tool_prompt
 
 log = logging.getLogger("loom.server")
 
@@ -152,6 +155,33 @@ def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
 
 
+def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
+    tools = tool_dicts(body.tools or [])
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    named = None
+    if not isinstance(choice, str):
+        named, choice = choice.function.name, "named"
+        if named not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice names function {named!r}, which is not in tools",
+                           param="tool_choice", code="invalid_value")
+    elif choice != "auto" and not tools:
+        raise ApiError(400, f"tool_choice {choice!r} needs tools", param="tool_choice", code="invalid_value")
+    return ToolPlan(tools, choice, named, body.parallel_tool_calls is not False)
+
+
+def _tool_chunk(index: int, out: RequestOutput, tools: ToolPlan) -> ChatChunkChoice:
+    """A finished choice of a request with tools, as one chunk: its calls, or its content."""
+    c = out.outputs[0]
+    content, calls, finish = tools.message(c.text, c.finish_reason)
+    if calls is None:
+        delta = DeltaMessage(content=content)
+    else:
+        delta = DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=call["id"], type="function",
+                                                       function=DeltaFunctionCall(**call["function"]))
+                                         for i, call in enumerate(calls)])
+    return ChatChunkChoice(index=index, delta=delta, finish_reason=finish, stop_reason=c.stop_reason)
+
+
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
     if m.content is None:
         content = ""
@@ -159,7 +189,7 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
         content = m.content
     else:
         content = "\n".join(part.text for part in m.content)
-    d: dict[str, Any] = {"role": m.role, "content": content}
+    d: dict[str, Any] = {"role": m.role, "content": history_message(m.role, content, m.tool_calls)}
     if m.name is not None:
         d["name"] = m.name
     return d
@@ -353,14 +383,20 @@ class OpenAIServing:
             max_tokens = self.max_tokens(body.max_tokens, "max_tokens", True)
         top_k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, top_k)
-        prompt = self._chat_prompt(body)
+        tools = _tool_plan(body)
+        if (schema := tools.forced_schema()) is not None:
+            if params.structured_outputs is not None:
+                raise ApiError(400, "a forced tool call (tool_choice required or named) cannot be combined with "
+                               "response_format or structured_outputs", param="tool_choice", code="invalid_value")
+            params = params.clone(structured_outputs=StructuredOutputsParams(json=schema))
+        prompt = self._chat_prompt(body, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         plan = plan_loom(body.loom, body.stream)
         group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker,
                         fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._chat_events(group, body, rid, created, top_k, include_usage)
+            events = self._chat_events(group, body, rid, created, top_k, include_usage, tools)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
         usage, extension = self.usage(finals, body.n), None
@@ -370,22 +406,30 @@ class OpenAIServing:
         for index, out in enumerate(finals):
             c = out.outputs[0]
             lp = chat_logprobs(c.logprobs or [], c.token_ids, top_k) if top_k is not None else None
-            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            content, calls, finish = tools.message(c.text, c.finish_reason)
+            message = ChatResponseMessage(content=content, tool_calls=calls)
+            choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish,
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
                                       loom=extension)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan) -> dict[str, Any]:
         messages = [_message_dict(m) for m in body.messages]
+        extra: dict[str, Any] = {}
+        if tools.active:   # the template's own tool prompt where it has one, else loom's generic one
+            if template_reads_tools(self.ae.tokenizer.chat_template):
+                extra["tools"] = tools.tools
+            else:
+                messages = with_tool_prompt(messages, tools.tools)
         try:
-            ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **extra)
         except TokenizerError as e:
             raise ApiError(400, f"{e} (POST /v1/completions takes a plain prompt)", param="messages",
                            code="chat_template_error") from None
         return {"prompt_token_ids": ids}
 
     def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
-                     top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
+                     top_k: int | None, include_usage: bool, tools: ToolPlan) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
 
         def dump(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> dict[str, Any]:
@@ -397,6 +441,8 @@ class OpenAIServing:
 
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]
+            if tools.active:   # whether the text is calls is known at its end: one chunk then
+                return _tool_chunk(index, out, tools) if out.finished else None
             new_ids = c.token_ids[tokens_sent[index]:]
             lp = None
             if top_k is not None and new_ids:

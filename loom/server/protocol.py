@@ -45,7 +45,7 @@ TopK = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral)]
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1), BeforeValidator(_integral)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 # Accepted and ignored: bookkeeping fields of the OpenAI API that cannot change the output.
@@ -272,10 +272,47 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: NonEmptyStr
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant turn's calls, sent back.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+
+
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDef(_Request):
+    name: ToolName
+    description: str | None = None
+    parameters: dict | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: bool | None = Field(None, description="Accepted: forced calls always follow `parameters`.")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: ToolName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -286,6 +323,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: LogprobCount | None = Field(None, description="Needs logprobs: true.")
     add_generation_prompt: bool = Field(True, description="Extension: end the prompt with the assistant header.")
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools. required / a named function force a call (by a grammar).")
+    parallel_tool_calls: bool | None = Field(None, description="Default true: a turn may make several calls.")
 
 
 class TopLogprob(_Response):
@@ -305,9 +346,21 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_unset)
 
 
 class ChatChoice(_Response):
@@ -328,11 +381,24 @@ class ChatCompletionResponse(_Response):
     loom: LoomResponse | None = Field(None, exclude_if=_unset, description="Extension: aggregation results.")
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     """What a chunk adds; fields that are null are left out of the event."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -1,0 +1,123 @@
+"""Tool calling: tools into the prompt, a grammar that forces a call, calls parsed out of the text.
+
+The calls a model makes are one JSON object, whatever the template:
+
+    {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]}
+
+* The tools reach the model through its chat template when the template reads a `tools`
+  variable; otherwise (SmolLM2's template, for one) a system message lists them as JSON and
+  states the format above (`GENERIC_INSTRUCTIONS`). A model without any chat template (Gemma 3
+  270M, a base model) cannot take chat requests at all: the chat endpoint answers 400.
+* `tool_choice` "required" or a named function: the output is constrained by a JSON Schema of
+  that object (each call's `arguments` by its function's `parameters`), so the call always
+  parses; `parallel_tool_calls: false` allows exactly one call.
+* "auto": unconstrained; an output that is such an object naming known tools becomes tool
+  calls, anything else is the message's content. "none": the tools are not shown.
+* Assistant messages with `tool_calls` and `tool` messages in the conversation are written back
+  in the same JSON form (and the tool's result as the tool message's content).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+GENERIC_INSTRUCTIONS = (
+    "You can call functions. To call one or more, answer with only a JSON object of the form "
+    '{"tool_calls": [{"name": <function name>, "arguments": <arguments object>}]} and nothing else. '
+    "The functions:\n")
+
+
+def tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
+    """The request's tools as plain OpenAI-shaped dicts."""
+    return [{"type": "function", "function": {k: v for k, v in {
+        "name": t.function.name, "description": t.function.description,
+        "parameters": t.function.parameters}.items() if v is not None}} for t in tools]
+
+
+def template_reads_tools(template: str | None) -> bool:
+    return template is not None and "tools" in template
+
+
+def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with the generic tool instructions in the system message (one is added first
+    when the conversation has none)."""
+    text = GENERIC_INSTRUCTIONS + json.dumps([t["function"] for t in tools], indent=1)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def call_schema(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> dict[str, Any]:
+    """The JSON Schema an output must follow to be tool calls (of function `only`, if given)."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]},
+                             "arguments": f.get("parameters") or {"type": "object"}}}
+             for f in (t["function"] for t in tools) if only is None or f["name"] == only]
+    items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
+            "properties": {"tool_calls": array}}
+
+
+def parse_calls(text: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The OpenAI `tool_calls` an output holds, or None when it is not tool calls."""
+    try:
+        value = json.loads(text.strip())
+    except ValueError:
+        return None
+    names = {t["function"]["name"] for t in tools}
+    calls = value.get("tool_calls") if isinstance(value, dict) else None
+    if not isinstance(calls, list) or not calls:
+        return None
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or call.get("name") not in names or not isinstance(call.get("arguments"), dict):
+            return None
+        out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}})
+    return out
+
+
+def history_message(role: str, content: str, tool_calls: list[Any] | None) -> str:
+    """The content an assistant message with `tool_calls` is written back with."""
+    if role != "assistant" or not tool_calls:
+        return content
+    calls = []
+    for c in tool_calls:
+        try:
+            args = json.loads(c.function.arguments)
+        except ValueError:
+            args = c.function.arguments
+        calls.append({"name": c.function.name, "arguments": args})
+    text = json.dumps({"tool_calls": calls})
+    return f"{content}\n{text}" if content else text
+
+
+class ToolPlan:
+    """What a chat request's `tools` / `tool_choice` / `parallel_tool_calls` ask for."""
+
+    def __init__(self, tools: list[dict[str, Any]], choice: str, named: str | None, parallel: bool):
+        self.tools, self.choice, self.named, self.parallel = tools, choice, named, parallel
+
+    @property
+    def active(self) -> bool:
+        """The tools are shown and the output may be calls."""
+        return bool(self.tools) and self.choice != "none"
+
+    def forced_schema(self) -> dict[str, Any] | None:
+        if not self.active or self.choice == "auto":
+            return None
+        return call_schema(self.tools, self.named, self.parallel)
+
+    def message(self, text: str, finish: str | None) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+        """(content, tool_calls, finish_reason) of a finished choice."""
+        if self.active and finish == "stop":
+            calls = parse_calls(text, self.tools)
+            if calls is not None:
+                return None, calls, "tool_calls"
+        return text, None, finish
