@@ -4,6 +4,7 @@ compiled to a pushdown automaton whose token masks come from a precomputed per-s
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ class XGrammarMatcher(GrammarMatcher):
 
     def fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._m.fork())
+
+
+# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: ": the compiler's words follow
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
@@ -66,7 +71,8 @@ class XGrammarBackend(GrammarBackend):
             tag = spec.structural_tag if isinstance(spec.structural_tag, str) else json.dumps(spec.structural_tag)
             return c.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
-            raise ValueError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(_SOURCE_PREFIX.sub("", first)) from None
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
