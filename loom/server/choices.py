@@ -35,6 +35,7 @@ from starlette.requests import Request
 
 from loom.engine.async_engine import AsyncEngine
 from loom.engine.groups import FanOutOptions, derive_seed
+from loom.errors import EngineDeadError
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.parallel.aggregators import Aggregator, create_aggregator
 from loom.sampling_params import SamplingParams
@@ -50,6 +51,11 @@ DISCONNECT_POLL_SECONDS = 0.25
 DEFAULT_M = 3
 
 _GONE = object()
+_STOPPING = object()
+
+
+class ServerStopping(EngineDeadError):
+    """The server is shutting down: open streams end with this error event."""
 
 
 @dataclass
@@ -154,6 +160,8 @@ class ChoiceGroup:
             item = await self._queue.get()
             if item is _GONE:
                 raise ClientDisconnected()
+            if item is _STOPPING:
+                raise ServerStopping("the server is shutting down; the request was stopped")
             index, out = item
             if isinstance(out, BaseException):
                 raise out
@@ -172,6 +180,11 @@ class ChoiceGroup:
     def prompt_outputs(self) -> list[RequestOutput]:
         """Each prompt's final output with all of its choices (after `final_outputs`)."""
         return [self._finals[p.index] for p in self._prompts]
+
+    def stop(self) -> None:
+        """Ends the group because the server stops: whoever iterates it gets `ServerStopping`."""
+        self._queue.put_nowait(_STOPPING)
+        self.close()
 
     def close(self) -> None:
         if self._closed:

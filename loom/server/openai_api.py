@@ -205,6 +205,7 @@ class OpenAIServing:
         self.max_tokens_limit = max_tokens_limit
         self.metrics = metrics
         self.created = int(time.time())
+        self.open_streams: set[ChoiceGroup] = set()   # ended by stop_streams when the server stops
 
     # -- request checks -------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -247,8 +248,7 @@ class OpenAIServing:
         finally:
             group.close()
 
-    @staticmethod
-    async def open_stream(group: ChoiceGroup, request: Request, events: AsyncIterator[str]) -> Response:
+    async def open_stream(self, group: ChoiceGroup, request: Request, events: AsyncIterator[str]) -> Response:
         group.watch(request)
         try:
             await group.admitted()
@@ -256,7 +256,19 @@ class OpenAIServing:
             group.close()
             await events.aclose()
             raise
-        return EventStreamResponse(events, on_close=group.close)
+        self.open_streams.add(group)
+
+        def closed() -> None:
+            self.open_streams.discard(group)
+            group.close()
+
+        return EventStreamResponse(events, on_close=closed)
+
+    def stop_streams(self) -> None:
+        """The server is stopping: every open stream ends now with an error event and [DONE],
+        rather than holding the graceful shutdown until it is cancelled."""
+        for group in list(self.open_streams):
+            group.stop()
 
     def usage(self, finals: list[RequestOutput | None], n: int) -> UsageInfo:
         """Prompt tokens count once per prompt (its first choice), completion tokens per choice."""
@@ -574,7 +586,8 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
     serving = OpenAIServing(ae, name, max_tokens_limit, metrics)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(app_: FastAPI):
+        app_.state.loop = asyncio.get_running_loop()   # serve.py ends open streams on it at SIGINT/SIGTERM
         ae.start()
         try:
             yield

@@ -18,6 +18,18 @@ from loom.server.engine_client import engine_client
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn that ends open streams as soon as SIGINT/SIGTERM arrives (an error event and
+    [DONE]), instead of letting them hold the graceful shutdown until it cancels them."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        state = self.config.app.state
+        loop = getattr(state, "loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(state.serving.stop_streams)
+
+
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_tokens_limit: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
@@ -28,8 +40,8 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     try:
         app = build_app(client, api_key=api_key, served_model_name=served_model_name,
                         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                               access_log=access_log, timeout_graceful_shutdown=5))
+        server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        access_log=access_log, timeout_graceful_shutdown=5))
         server.run()
     finally:
         client.shutdown()
