@@ -155,3 +155,51 @@ class RealModels:
 @pytest.fixture(scope="session")
 def real_models() -> RealModels:
     return RealModels()
+
+
+# -- the tiny llama as engine parts, and engines over it ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_llama_path):
+    """(path, model, tokenizer) of the tiny llama, loaded once per module."""
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+    from loom.model.build import load_model
+
+    f = GGUFFile.open(tiny_llama_path)
+    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
+
+
+@pytest.fixture
+def make_tiny(tiny_parts):
+    """Engines over the tiny llama; block size 4 so that short prompts span several blocks."""
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+
+    path, model, tok = tiny_parts
+
+    def make(**options) -> Engine:
+        opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64) | options
+        opts.setdefault("max_num_seqs", min(16, opts["max_num_batched_tokens"]))
+        return Engine(EngineConfig.create(str(path), **opts), model=model, tokenizer=tok)
+
+    return make
+
+
+# -- the pool's servers, one fixture each ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real(server_pool):
+    return server_pool.get("real")
+
+
+@pytest.fixture(scope="module")
+def tiny(server_pool):
+    return server_pool.get("tiny")
+
+
+@pytest.fixture(scope="module")
+def strict(server_pool):
+    return server_pool.get("strict")

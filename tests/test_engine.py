@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from loom.config import CacheConfig, EngineConfig, SchedulerConfig
+from loom.config import CacheConfig, SchedulerConfig
 from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq
 from loom.engine.engine import Engine
 from loom.engine.request import Request, RequestStatus
@@ -330,29 +330,6 @@ def test_prompt_tokens_count_single_token_chunks():
 # =============================================================================================
 # 2. Engine on the tiny random llama
 # =============================================================================================
-
-
-@pytest.fixture(scope="module")
-def tiny_parts(tiny_llama_path):
-    from loom.loader.gguf import GGUFFile
-    from loom.loader.tokenizer import Tokenizer
-    from loom.model.build import load_model
-
-    f = GGUFFile.open(tiny_llama_path)
-    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
-
-
-@pytest.fixture
-def make_tiny(tiny_parts):
-    """Engines over the tiny llama; block size 4 so that short prompts span several blocks."""
-    path, model, tok = tiny_parts
-
-    def make(**options) -> Engine:
-        opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64) | options
-        opts.setdefault("max_num_seqs", min(16, opts["max_num_batched_tokens"]))
-        return Engine(EngineConfig.create(str(path), **opts), model=model, tokenizer=tok)
-
-    return make
 
 
 def drain(engine: Engine, check=None) -> tuple[dict[str, object], list[list]]:

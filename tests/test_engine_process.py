@@ -14,7 +14,6 @@ import signal
 import threading
 
 import httpx
-import msgspec
 import psutil
 import pytest
 from loom_server import LoomServer, wait_for

@@ -22,21 +22,6 @@ PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def real(server_pool) -> LoomServer:
-    return server_pool.get("real")
-
-
-@pytest.fixture(scope="module")
-def tiny(server_pool) -> LoomServer:
-    return server_pool.get("tiny")
-
-
-@pytest.fixture(scope="module")
-def strict(server_pool) -> LoomServer:
-    return server_pool.get("strict")
-
-
 def client(server: LoomServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key=server.api_key or "unused", max_retries=0, timeout=120)
 

@@ -180,16 +180,6 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_target, shape):
 # =============================================================================================
 
 
-@pytest.fixture(scope="module")
-def tiny_parts(tiny_llama_path):
-    from loom.loader.gguf import GGUFFile
-    from loom.loader.tokenizer import Tokenizer
-    from loom.model.build import load_model
-
-    f = GGUFFile.open(tiny_llama_path)
-    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
-
-
 def tiny_engine(tiny_parts, spec=None, **options) -> Engine:
     path, model, tok = tiny_parts
     opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64, max_num_seqs=16) | options

@@ -15,31 +15,11 @@ from loom import LLM, SamplingParams
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
-from loom.loader.gguf import GGUFFile
-from loom.loader.tokenizer import Tokenizer
-from loom.model.build import load_model
 from loom.sampling_params import StructuredOutputsParams
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
                          "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_parts(tiny_llama_path):
-    f = GGUFFile.open(tiny_llama_path)
-    return tiny_llama_path, load_model(f), Tokenizer.from_gguf(f)
-
-
-@pytest.fixture
-def make_tiny(tiny_engine_parts):
-    path, model, tok = tiny_engine_parts
-
-    def make(**options) -> Engine:
-        opts = dict(block_size=4, num_blocks=512, max_num_batched_tokens=64) | options
-        return Engine(EngineConfig.create(str(path), **opts), model=model, tokenizer=tok)
-
-    return make
 
 
 def run(engine: Engine, prompts, params) -> list:
@@ -125,8 +105,8 @@ def test_preemption_with_recompute_keeps_the_grammar_state(make_tiny):
         assert re.fullmatch(r"(ab|ba){10}", a.outputs[0].text)
 
 
-def test_speculative_decoding_never_drafts_for_a_constrained_request(tiny_llama_path, tiny_engine_parts):
-    _, model, tok = tiny_engine_parts
+def test_speculative_decoding_never_drafts_for_a_constrained_request(tiny_llama_path, tiny_parts):
+    _, model, tok = tiny_parts
     params = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": r"(xy){6}"})
     plain = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4), model=model, tokenizer=tok)
     spec = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4,
@@ -157,16 +137,6 @@ def test_json_schema_outputs_validate_on_smollm2():
 
 
 # -- the OpenAI API ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def real(server_pool) -> LoomServer:
-    return server_pool.get("real")
-
-
-@pytest.fixture(scope="module")
-def tiny(server_pool) -> LoomServer:
-    return server_pool.get("tiny")
 
 
 @pytest.mark.real_model

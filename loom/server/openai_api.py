@@ -605,6 +605,16 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
     async def _gone(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
+    app.include_router(_v1_router(serving, api_key))
+    _add_service_routes(app, ae, metrics)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
+                    vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
+    return app
+
+
+def _v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+    """The OpenAI routes under /v1 (behind the bearer check when an API key is set)."""
     auth = [Depends(_bearer_check(api_key))] if api_key else []
     v1_errors = {**_V1_ERRORS, **({401: _ERRORS} if api_key else {})}
     gen_errors = {**_GENERATE_ERRORS, **({401: _ERRORS} if api_key else {})}
@@ -636,7 +646,11 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
         """Extension: the engine's load now (the playground polls it)."""
         return await serving.stats()
 
-    app.include_router(v1)
+    return v1
+
+
+def _add_service_routes(app: FastAPI, ae: EngineClient, metrics: ServerMetrics) -> None:
+    """/health, /version, /metrics and the playground."""
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS})
     async def health():
@@ -662,8 +676,3 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
-
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
-                    vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
-    return app
