@@ -133,11 +133,15 @@ def test_signal_stops_every_process(long_model, tmp_path, sig) -> None:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
             server.process.send_signal(sig)
+            rest: list[str] = []
+            cut = False
             try:
-                for _ in lines:  # the server closes the stream
-                    pass
-            except httpx.HTTPError:  # ... possibly mid-chunk
-                pass
+                rest.extend(lines)   # the server ends the stream at once: an error event, then [DONE]
+            except httpx.HTTPError:  # ... or the connection closes mid-chunk
+                cut = True
+            if not cut:
+                assert any("the server is shutting down" in line for line in rest), rest[-3:]
+                assert [line for line in rest if line][-1] == "data: [DONE]"
         # uvicorn shuts down, then re-raises the signal: the status is 0 or the signal's
         assert server.process.wait(timeout=30) in (0, -sig, 128 + sig)
         gone, alive = psutil.wait_procs(kids, timeout=15)
