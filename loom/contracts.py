@@ -109,8 +109,9 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    logprob: float                       # of the sampled token
+    logprob: float                       # of the sampled (or, for a prompt, the actual next) token
     top: list[tuple[int, float]]         # (token id, logprob), most probable first
+    rank: int | None = None              # the token's rank (1 = most probable), where computed
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     drafts: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> draft for its next step
     dead_ends: list[str] = field(default_factory=list)  # grammar admits no token of the vocabulary: ended
+    # req_id -> logprobs of prompt tokens 1.. computed this step, in order (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {id: Logprob}
+    # per prompt token (the actual token always present); filled as the prompt is computed
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -167,6 +167,9 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the detokenized text.
     spaces_between_special_tokens: put spaces between adjacent special tokens in the text.
     structured_outputs: a constraint on the output (`StructuredOutputsParams`, or a dict of it).
+    prompt_logprobs: None, or k >= 0: the logprob of every prompt token after the first (given
+        the tokens before it) and its k most probable alternatives (at most 20). The prompt is
+        then computed in full (no prefix-cache hit), chunk by chunk; not with n > 1 or best_of.
     """
 
     n: int = 1
@@ -186,6 +189,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -246,6 +250,12 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             _flag(name, getattr(self, name))
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
+        if self.prompt_logprobs is not None:
+            allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
+            if not 0 <= _int("prompt_logprobs", self.prompt_logprobs, allowed) <= MAX_LOGPROBS:
+                raise _fail("prompt_logprobs", self.prompt_logprobs, allowed)
+            if self.n > 1 or (self.best_of or 1) > 1:
+                raise InvalidRequestError("prompt_logprobs is computed once per prompt: use n = 1 without best_of")
         if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
             # a grammar ends where it ends: past its end only a stop token is allowed
             raise InvalidRequestError("structured_outputs cannot be combined with ignore_eos or min_tokens > 0")

@@ -20,6 +20,9 @@ class OutputState:
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
                                             skip_special_tokens=req.params.skip_special_tokens)
         self.stops = req.params.stop
+        # prompt logprobs (vLLM's layout): None for the first prompt token, then one dict per token
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if req.params.prompt_logprobs is not None else None)
         self.max_stop = max((len(s) for s in self.stops), default=0)
         self.text = ""        # emitted so far
         self.pending = ""     # decoded but held back
@@ -98,7 +101,18 @@ class OutputState:
         )
         req.metrics.num_cached_tokens = req.num_cached_tokens
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
-                             finished, req.metrics, req.num_cached_tokens)
+                             finished, req.metrics, req.num_cached_tokens,
+                             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
+        """Appends the logprobs of the next prompt tokens (in order), the actual token always present."""
+        prompt = self.req.prompt_token_ids
+        for e in entries:
+            tok = prompt[len(self.prompt_logprobs)]
+            d = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(e.top, start=1)}
+            if tok not in d:
+                d = {tok: Logprob(e.logprob, e.rank, self.tokenizer.decode([tok])), **d}
+            self.prompt_logprobs.append(d)
 
     def add_logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> None:
         """Appends vLLM-layout logprobs: per token {id: Logprob}, the sampled token always present."""

@@ -233,6 +233,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
+        for rid, entries in result.prompt_logprobs.items():
+            if rid in self.outputs:
+                self.outputs[rid].add_prompt_logprobs(entries)
         touched = self.scheduler.update(plan, result)
         return self.groups.step(self._process_outputs(touched, result))
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from loom.config import CacheConfig, SchedulerConfig
 from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
 from loom.engine.request import Request, RequestStatus
-from loom.kv.manager import KVCacheManager
+from loom.kv.manager import KVCacheManager, PrefixHit
 
 
 @dataclass
@@ -182,6 +182,8 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
+            if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+                hit = PrefixHit([], 0)   # every prompt position's logits are needed: compute it all
             n = max(0, min(req.compute_end - hit.num_tokens, budget))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:

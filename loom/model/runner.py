@@ -35,6 +35,7 @@ class _ReqState:
     banned_until_min: tuple[int, ...]        # ids banned while output < min_tokens
     output_token_ids: list[int] = field(default_factory=list)
     matcher: GrammarMatcher | None = None    # structured output: the grammar's position
+    prompt_lp_done: int = 0                  # prompt positions whose next-token logprobs were returned
 
     @property
     def plain_greedy(self) -> bool:
@@ -42,6 +43,10 @@ class _ReqState:
         p = self.params
         return (p.is_greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
                 and p.repetition_penalty == 1 and len(self.output_token_ids) >= p.min_tokens)
+
+
+# Prompt positions whose logits are made at once for prompt logprobs ([rows, vocab] float32).
+PROMPT_LOGPROB_ROWS = 64
 
 
 class ModelRunner:
@@ -87,18 +92,53 @@ class ModelRunner:
         input_ids, positions, meta = build_batch(out.seqs, self.block_size)
         t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)      # [T, D]
+        prompt_lps = self._prompt_logprobs(hidden, meta, out.seqs)
         sample_seqs = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sample_seqs:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_logprobs=prompt_lps)
         # one row per sampled sequence, or 1 + its draft nodes when it verifies a draft
         counts = [1 + len(out.seqs[i].draft_parents) for i in sample_seqs]
         rows = torch.cat([torch.arange(meta.query_starts[i] + meta.query_lens[i] - c, meta.query_starts[i]
                                        + meta.query_lens[i]) for i, c in zip(sample_seqs, counts)])
         logits = self.model.compute_logits(hidden[rows])                             # [R, V]
         if self.spec is None:
-            return self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
-        self.spec.record_step(out, time.perf_counter() - t0)
-        return self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
+            result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
+        else:
+            self.spec.record_step(out, time.perf_counter() - t0)
+            result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
+        result.prompt_logprobs.update(prompt_lps)
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, meta, seqs) -> dict[str, list[TokenLogprobs]]:
+        """For requests that asked (SamplingParams.prompt_logprobs = k): the logprob of each prompt
+        token this step's chunk predicts (position p predicts token p + 1), with its rank and the k
+        most probable tokens. Logits are made PROMPT_LOGPROB_ROWS rows at a time, so memory stays
+        bounded by the slice, never [prompt_len, vocab]. Positions already returned (a prompt
+        recomputed after preemption) are not returned again."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        for i, s in enumerate(seqs):
+            st = self.states.get(s.req_id)
+            if st is None or st.params.prompt_logprobs is None:
+                continue
+            lo = max(s.start_pos, st.prompt_lp_done)
+            hi = min(s.start_pos + len(s.token_ids), len(st.prompt_token_ids) - 1)
+            entries: list[TokenLogprobs] = []
+            for a in range(lo, hi, PROMPT_LOGPROB_ROWS):
+                b = min(hi, a + PROMPT_LOGPROB_ROWS)
+                rows = torch.arange(a, b) - s.start_pos + meta.query_starts[i]
+                lp = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)          # [r, V]
+                target = torch.tensor(st.prompt_token_ids[a + 1:b + 1])
+                chosen = lp.gather(1, target[:, None])                                              # [r, 1]
+                ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+                k = st.params.prompt_logprobs
+                top_v, top_i = lp.topk(k, dim=1) if k else (lp[:, :0], lp[:, :0].long())
+                for r in range(b - a):
+                    entries.append(TokenLogprobs(float(chosen[r, 0]), list(zip(top_i[r].tolist(), top_v[r].tolist())),
+                                                 ranks[r]))
+            if entries:
+                st.prompt_lp_done = hi
+                out[s.req_id] = entries
+        return out
 
     @torch.inference_mode()
     def timed_forward(self, seqs) -> float:

@@ -199,7 +199,7 @@ class ChoiceGroup:
 
 def _choice_output(out: RequestOutput, c: CompletionOutput) -> RequestOutput:
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [c], c.finish_reason is not None,
-                         out.metrics, out.num_cached_tokens)
+                         out.metrics, out.num_cached_tokens, out.prompt_logprobs)
 
 
 def fan_out(ae: AsyncEngine, prompts: list[str | list[int] | dict], params: SamplingParams, n: int,

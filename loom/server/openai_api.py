@@ -50,7 +50,7 @@ from loom.server.errors import (
     install_error_handlers,
 )
 from loom.server.limits import BodySizeLimit
-from loom.server.logprobs import chat_logprobs, completion_logprobs
+from loom.server.logprobs import chat_logprobs, completion_logprobs, finite
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
     ChatChoice,
@@ -61,6 +61,7 @@ from loom.server.protocol import (
     ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -71,6 +72,7 @@ from loom.server.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
     StatsResponse,
@@ -153,6 +155,34 @@ def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
                        param="response_format.json_schema", code="invalid_value")
     schema = fmt.json_schema.schema_
     return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+
+
+def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogprobs,
+                          decode: Callable[[list[int]], str]) -> CompletionLogprobs:
+    """The legacy layout of an echoed prompt's tokens (the first one's logprob and top null: nothing
+    precedes it), followed by `completion`'s (whose offsets already count the echoed text)."""
+    ids = out.prompt_token_ids
+    entries = out.prompt_logprobs or [None]
+    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k)
+    tokens = [decode(ids[:1])] + rest.tokens
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return CompletionLogprobs(tokens=tokens + completion.tokens,
+                              token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
+                              top_logprobs=[None] + rest.top_logprobs + completion.top_logprobs,
+                              text_offset=offsets + completion.text_offset)
+
+
+def _prompt_logprobs_field(out: RequestOutput, k: int | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` of a choice: None first, then per prompt token {token id: logprob}."""
+    if k is None or out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(tid): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
+                                                            decoded_token=lp.decoded_token)
+                                    for tid, lp in d.items()}
+            for d in out.prompt_logprobs]
 
 
 def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
@@ -282,12 +312,17 @@ class OpenAIServing:
     # -- completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self.check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported: loom does not compute prompt logprobs",
-                           param="echo", code="unsupported")
         prompts = _prompt_list(body.prompt)
-        max_tokens = self.max_tokens(body.max_tokens, "max_tokens", "max_tokens" in body.model_fields_set)
+        score_only = body.max_tokens == 0
+        if score_only and not body.echo:
+            raise ApiError(400, "max_tokens 0 returns nothing without echo", param="max_tokens", code="invalid_value")
+        # max_tokens 0: the prompt is scored and one token generated, which is not returned
+        max_tokens = self.max_tokens(1 if score_only else body.max_tokens, "max_tokens",
+                                     "max_tokens" in body.model_fields_set)
         params = self.sampling_params(body, max_tokens, body.logprobs)
+        wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+        if wanted:
+            params = params.clone(prompt_logprobs=max(wanted))
         echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         plan = plan_loom(body.loom, body.stream)
@@ -298,7 +333,7 @@ class OpenAIServing:
                         best_of=body.best_of, fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._completion_events(group, body, rid, created, echoes, include_usage)
+            events = self._completion_events(group, body, rid, created, echoes, include_usage, score_only)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
         usage, per, extension = self.usage(finals, body.n), body.n, None
@@ -308,9 +343,14 @@ class OpenAIServing:
         for index, out in enumerate(finals):
             c = out.outputs[0]
             echo = echoes[index // per] if echoes else ""
-            lp = (completion_logprobs(c.logprobs or [], c.token_ids, body.logprobs, offset=len(echo))
-                  if body.logprobs is not None else None)
-            choices.append(CompletionChoice(index=index, text=echo + c.text, logprobs=lp,
+            text, ids, lps = ("", [], []) if score_only else (c.text, c.token_ids, c.logprobs or [])
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(lps, ids, body.logprobs, offset=len(echo))
+                if body.echo:
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode)
+            choices.append(CompletionChoice(index=index, text=echo + text, logprobs=lp,
+                                            prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs),
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
                                   loom=extension)
@@ -355,7 +395,7 @@ class OpenAIServing:
             group.close()
 
     def _completion_events(self, group: ChoiceGroup, body: CompletionRequest, rid: str, created: int,
-                           echoes: list[str] | None, include_usage: bool) -> AsyncIterator[str]:
+                           echoes: list[str] | None, include_usage: bool, score_only: bool) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
         chars_sent = [0] * group.size
         echo_pending = [bool(echoes)] * group.size
@@ -366,19 +406,24 @@ class OpenAIServing:
 
         def choice_of(index: int, out: RequestOutput) -> CompletionChoice | None:
             c = out.outputs[0]
-            prefix = echoes[index // body.n] if echoes and echo_pending[index] else ""
-            text = prefix + c.delta_text
-            new_ids = c.token_ids[tokens_sent[index]:]
+            first = echo_pending[index]
+            prefix = echoes[index // body.n] if echoes and first else ""
+            text = prefix + ("" if score_only else c.delta_text)
+            new_ids = [] if score_only else c.token_ids[tokens_sent[index]:]
             lp = None
-            if body.logprobs is not None and new_ids:
+            if body.logprobs is not None and (new_ids or (first and body.echo)):
                 lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs,
                                          offset=chars_sent[index] + len(prefix))
+                if first and body.echo:
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode)
             tokens_sent[index] = len(c.token_ids)
             if not text and lp is None and not out.finished:
                 return None
             chars_sent[index] += len(text)
             echo_pending[index] = False
             return CompletionChoice(index=index, text=text, logprobs=lp,
+                                    prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs) if first
+                                    else None,
                                     finish_reason=c.finish_reason if out.finished else None,
                                     stop_reason=c.stop_reason if out.finished else None)
 

@@ -60,6 +60,10 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
@@ -179,11 +183,14 @@ PromptInput = Union[
 class CompletionRequest(SamplingFields):
     prompt: PromptInput = Field(description="A string, a list of strings, a list of token ids, "
                                             "or a list of token-id lists.")
-    max_tokens: PositiveCount | None = Field(16, description="Tokens to generate per choice; "
-                                                            "null runs to the context limit.")
+    max_tokens: Count | None = Field(16, description="Tokens to generate per choice; null runs to the context "
+                                                    "limit; 0 (with echo) scores the prompt only.")
     logprobs: LogprobCount | None = Field(None, description="Return the chosen token's logprob and this many "
                                                             "alternatives.")
-    echo: bool = Field(False, description="Put the prompt in front of the completion text.")
+    echo: bool = Field(False, description="Put the prompt in front of the completion text (with logprobs: "
+                                          "the prompt tokens' logprobs too, the first one null).")
+    prompt_logprobs: LogprobCount | None = Field(None, description="Extension (vLLM): each choice's "
+                                                 "`prompt_logprobs`: per prompt token {token id: logprob}.")
     best_of: ChoiceCount | None = Field(None, description="Generate this many choices (>= n) and return the n "
                                                           "with the highest cumulative logprob; not streamed.")
 
@@ -195,10 +202,17 @@ class CompletionLogprobs(_Response):
     text_offset: list[int]
 
 
+class PromptLogprob(_Response):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, exclude_if=_unset)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = Field(None, description="Extension: the stop string or token id that ended it.")
 
@@ -237,10 +251,6 @@ class LoomResponse(_Response):
     """Extension (with ``loom.aggregate``): one result per prompt."""
 
     results: list[LoomResult]
-
-
-def _unset(value: object) -> bool:
-    return value is None
 
 
 class CompletionResponse(_Response):
