@@ -3,7 +3,9 @@
     avx512   csrc/loom_kernels.cpp        AVX-512 + VNNI
     avx2     csrc/loom_kernels_avx2.cpp   AVX2 + FMA + F16C (most laptops, many servers)
 
-Both export the same functions with the same semantics over the same packed weights; the
+Both export the same functions with the same semantics over the same packed weights: the loops
+are written once in the shared headers (csrc/*.h: vector traits per instruction set, the loops
+over them, the Python-facing functions), and each source adds its integer dot products. The
 first variant whose instructions this CPU has is built (`variant()` names it). The environment
 variable `LOOM_KERNELS` chooses:
 
@@ -19,9 +21,9 @@ invariance tests once per variant the CPU supports.
 instruction set, no compiler, `LOOM_KERNELS=0`, or a failed build (the reason is kept in
 `unavailable_reason()`). Callers then take the pure-torch path.
 
-The build goes to ~/.cache/loom/kernels/<key>, keyed by the chosen source, its compiler flags,
-the torch version and the CPU's flags, so a copied cache never runs on a CPU it was not
-compiled for. `python -m loom.kernels` builds it ahead of time (`make install` does).
+The build goes to ~/.cache/loom/kernels/<key>, keyed by the chosen source, the shared headers,
+its compiler flags, the torch version and the CPU's flags, so a copied cache never runs on a
+CPU it was not compiled for. `python -m loom.kernels` builds it ahead of time (`make install` does).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from loom.errors import LoomError
 from loom.kernels.cpu import cpu_flags
 
 CSRC = Path(__file__).parent / "csrc"
-HOST_HEADER = CSRC / "loom_kernels_host.h"   # included by both sources
+HEADERS = sorted(CSRC.glob("*.h"))   # included by both sources
 # Variants in order of preference: name -> (source, the CPU flags it needs).
 VARIANTS = {
     "avx512": (CSRC / "loom_kernels.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
@@ -93,7 +95,7 @@ def _cflags(variant: str) -> list[str]:
 def _build_dir(variant: str) -> Path:
     source = VARIANTS[variant][0]
     flags = " ".join(sorted(cpu_flags())) + " | " + " ".join(_cflags(variant))
-    code = source.read_bytes() + HOST_HEADER.read_bytes()
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     key = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     root = Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom"))
     return root / "kernels" / key

@@ -1,8 +1,12 @@
-// Host-side functions shared by both kernel variants (loom_kernels.cpp, loom_kernels_avx2.cpp):
-// argument checks and dispatch of qgemm, and rope_store. Each variant includes it once it has
-// defined GROUP, ROWS, the pre-op codes, QuantActs, quantize_acts, gemm, block_bytes and
-// store_row (the one vector-width-specific helper used here).
+// The Python-facing functions of loom's kernels, shared by both variants: argument checks,
+// dispatch over bit widths, scale and cache dtypes and head sizes, and the module table.
+// A variant's source includes it after defining `loom::Isa`, its vector traits plus integer
+// dot products (loom_kernels_simd.h, loom_kernels_loops.h).
 #pragma once
+
+#include "loom_kernels_loops.h"
+
+namespace loom {
 
 inline void check_f32_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1,
@@ -29,7 +33,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
     nw = norm_w->data_ptr<float>();
   }
   thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
-  quantize_acts(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa);
+  quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa);
   const int64_t blocks = (N + ROWS - 1) / ROWS * (K / GROUP);
   const int64_t bb = scales16 ? (bits == 4 ? block_bytes<4, at::Half>() : block_bytes<8, at::Half>())
                               : (bits == 4 ? block_bytes<4, float>() : block_bytes<8, float>());
@@ -38,11 +42,11 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
   if (scales16) {
-    if (bits == 4) gemm<4, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
-    else gemm<8, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
+    if (bits == 4) gemm<Isa, 4, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
+    else gemm<Isa, 8, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
   } else {
-    if (bits == 4) gemm<4, float>(wp, N, K, M, qa, yp, ldy, accumulate);
-    else gemm<8, float>(wp, N, K, M, qa, yp, ldy, accumulate);
+    if (bits == 4) gemm<Isa, 4, float>(wp, N, K, M, qa, yp, ldy, accumulate);
+    else gemm<Isa, 8, float>(wp, N, K, M, qa, yp, ldy, accumulate);
   }
   return y;
 }
@@ -91,12 +95,82 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
       }
       const int64_t at = sl[t] * Hkv * D;
       if (half_cache) {
-        store_row((at::Half*)kc + at, row + H * D, Hkv * D);
-        store_row((at::Half*)vc + at, row + (H + Hkv) * D, Hkv * D);
+        store_row<Isa>((at::Half*)kc + at, row + H * D, Hkv * D);
+        store_row<Isa>((at::Half*)vc + at, row + (H + Hkv) * D, Hkv * D);
       } else {
-        store_row((float*)kc + at, row + H * D, Hkv * D);
-        store_row((float*)vc + at, row + (H + Hkv) * D, Hkv * D);
+        store_row<Isa>((float*)kc + at, row + H * D, Hkv * D);
+        store_row<Isa>((float*)vc + at, row + (H + Hkv) * D, Hkv * D);
       }
     }
   });
+}
+
+// Attention of query rows over the paged cache (see loom_kernels_loops.h). q [R, >= H*D]
+// float32 rows; slots [R, Lmax] int64; ctx [R]; groups [NG + 1] row starts and shared [NG],
+// or both empty: every row its own group sharing its whole context.
+torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                          torch::Tensor ctx, int64_t H, int64_t Hkv, double scale, int64_t window,
+                          c10::optional<torch::Tensor> groups, c10::optional<torch::Tensor> shared) {
+  check_f32_rows(q, "q");
+  const int64_t R = q.size(0), D = k_cache.size(2);
+  TORCH_CHECK(q.size(1) >= H * D && D % 16 == 0 && H % Hkv == 0, "q must hold H * D values per row, D a multiple of 16");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous and of one dtype");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.size(0) == R && slots.stride(1) == 1,
+              "slots must be an int64 [rows, L] tensor");
+  torch::Tensor cl_t = ctx.contiguous();
+  TORCH_CHECK(cl_t.scalar_type() == torch::kInt64 && cl_t.numel() == R, "ctx must hold one int64 per row");
+  torch::Tensor gs_t, sh_t;
+  if (groups.has_value() && shared.has_value()) {
+    gs_t = groups->contiguous();
+    sh_t = shared->contiguous();
+  } else {
+    gs_t = torch::arange(R + 1, torch::kInt64);
+    sh_t = cl_t;
+  }
+  const int64_t NG = sh_t.numel();
+  TORCH_CHECK(gs_t.numel() == NG + 1 && gs_t.scalar_type() == torch::kInt64 && sh_t.scalar_type() == torch::kInt64,
+              "groups must hold NG + 1 row starts and shared NG lengths");
+  torch::Tensor out = torch::empty({R, H * D}, q.options());
+  if (R == 0) return out;
+  const bool half = k_cache.scalar_type() == torch::kHalf;
+  TORCH_CHECK(half || k_cache.scalar_type() == torch::kFloat32, "caches must be float32 or float16");
+  auto run = [&](auto c, auto nv) {
+    using C = decltype(c);
+    const PagedAttn<C> a{q.data_ptr<float>(), q.stride(0), (const C*)k_cache.data_ptr(), (const C*)v_cache.data_ptr(),
+                         slots.data_ptr<int64_t>(), slots.stride(0), cl_t.data_ptr<int64_t>(), gs_t.data_ptr<int64_t>(),
+                         sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window, out.data_ptr<float>()};
+    attn_impl<Isa, decltype(nv)::value>(a);
+  };
+  auto run_d = [&](auto c) {   // register-resident fast paths for the common head sizes, a generic loop otherwise
+    switch (D) {
+      case 64: run(c, std::integral_constant<int, 64 / Isa::W>{}); break;
+      case 128: run(c, std::integral_constant<int, 128 / Isa::W>{}); break;
+      case 256: run(c, std::integral_constant<int, 256 / Isa::W>{}); break;
+      default: run(c, std::integral_constant<int, 0>{}); break;
+    }
+  };
+  if (half) run_d(at::Half{});
+  else run_d(float{});
+  return out;
+}
+
+void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
+  check_f32_rows(h, "h");
+  check_f32_rows(y, "y");
+  const int64_t M = h.size(0), K = h.size(1);
+  TORCH_CHECK(K % 16 == 0 && y.size(1) == K && w.numel() == K, "shapes differ");
+  add_rmsnorm_rows<Isa>(h.data_ptr<float>(), h.stride(0), y.data_ptr<float>(), y.stride(0), w.data_ptr<float>(), M, K,
+                        (float)eps);
+}
+
+}  // namespace loom
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qgemm", &loom::qgemm, "quantized GEMM with fused activation pre-op");
+  m.def("rope_store", &loom::rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache");
+  m.def("attn_decode", &loom::attn_decode, "attention of query rows over the paged KV cache", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("ctx"), py::arg("H"), py::arg("Hkv"),
+        py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none());
+  m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
 }

@@ -1,0 +1,212 @@
+// Vector traits for loom's kernels: one struct per instruction set with the same static
+// members, so each loop in loom_kernels_loops.h is written once over `V` (as ggml's SIMD
+// mappings do). A variant's source picks its struct at compile time and adds the one thing
+// that is not a renaming: the integer dot products of the quantized GEMM (`dots`).
+//
+//   W              float lanes per vector (16 or 8)
+//   MT_MAX, PV_*   register tile sizes for 32 or 16 vector registers
+//   F, I, Mask     float vector, integer vector, lane mask
+//   load / store   16 or 8 floats from/to float32 or float16 storage
+//   load_n/store_n the first n lanes only (n < W only at the end of a row)
+//   reduce(v)      out[r] = sum of v[r]'s lanes, for W vectors at once
+//   in_ranges      lanes l + j inside [a0, a1) or [b0, b1)
+//   store_s8       GROUP scaled floats -> int8 (round to nearest even, saturate); returns
+//                  the sum of the int8 codes where the variant's dot products need it
+#pragma once
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace loom {
+
+constexpr int GROUP = 32;   // inputs per quantization group
+constexpr int ROWS = 16;    // output rows per packed block
+
+// The members whose intrinsics differ only in their prefix (_mm512 or _mm256), and the
+// partial loads and stores over each struct's masked ones (load_part, store_part).
+#define LOOM_FLOAT_OPS(P)                                                                            \
+  static F zero() { return P##_setzero_ps(); }                                                       \
+  static F set1(float x) { return P##_set1_ps(x); }                                                  \
+  static F load(const float* p) { return P##_loadu_ps(p); }                                          \
+  static void store(float* p, F v) { P##_storeu_ps(p, v); }                                          \
+  static F load_n(const float* p, int64_t n) { return n >= W ? load(p) : load_part(p, n); }          \
+  static void store_n(float* p, F v, int64_t n) {                                                    \
+    if (n >= W) store(p, v);                                                                         \
+    else store_part(p, v, n);                                                                        \
+  }                                                                                                  \
+  static F add(F a, F b) { return P##_add_ps(a, b); }                                                \
+  static F sub(F a, F b) { return P##_sub_ps(a, b); }                                                \
+  static F mul(F a, F b) { return P##_mul_ps(a, b); }                                                \
+  static F div(F a, F b) { return P##_div_ps(a, b); }                                                \
+  static F fma(F a, F b, F c) { return P##_fmadd_ps(a, b, c); } /* a * b + c */                     \
+  static F max(F a, F b) { return P##_max_ps(a, b); }                                                \
+  static F min(F a, F b) { return P##_min_ps(a, b); }                                                \
+  static F abs(F v) { return P##_andnot_ps(P##_set1_ps(-0.0f), v); }                                \
+  static F cvt(I v) { return P##_cvtepi32_ps(v); }
+
+#if defined(__AVX512F__)
+struct Vec512 {
+  static constexpr int W = 16;
+  using F = __m512;
+  using I = __m512i;
+  using Mask = __mmask16;
+  static constexpr int MT_MAX = 8;                  // activation rows per GEMM register tile
+  static constexpr int PV_NJ = 16, PV_ACC = 16;     // value tiles: up to 16 vectors of a row, 16 accumulators
+
+  LOOM_FLOAT_OPS(_mm512)
+  static F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static void store(at::Half* p, F v) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static Mask first(int64_t n) { return n >= W ? (Mask)0xFFFF : (Mask)((1u << n) - 1); }
+  static F load_part(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
+  static void store_part(float* p, F v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+  static F round(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2n(F v, F n) { return _mm512_scalef_ps(v, n); }   // v * 2^n, n integral
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
+
+  // four rounds of pairwise lane shuffles (45 instructions instead of 16 horizontal sums)
+  static F reduce(const F* v) {
+    const I lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const I hi8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const I lo4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const I hi4 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const I lo2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const I hi2 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    const I lo1 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const I hi1 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    F a[8], b[4], c[2];
+    for (int k = 0; k < 8; ++k)
+      a[k] = add(_mm512_permutex2var_ps(v[2 * k], lo8, v[2 * k + 1]), _mm512_permutex2var_ps(v[2 * k], hi8, v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k)
+      b[k] = add(_mm512_permutex2var_ps(a[2 * k], lo4, a[2 * k + 1]), _mm512_permutex2var_ps(a[2 * k], hi4, a[2 * k + 1]));
+    for (int k = 0; k < 2; ++k)
+      c[k] = add(_mm512_permutex2var_ps(b[2 * k], lo2, b[2 * k + 1]), _mm512_permutex2var_ps(b[2 * k], hi2, b[2 * k + 1]));
+    return add(_mm512_permutex2var_ps(c[0], lo1, c[1]), _mm512_permutex2var_ps(c[0], hi1, c[1]));
+  }
+
+  static Mask in_ranges(int64_t l, int a0, int a1, int b0, int b1) {
+    const I x = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                 _mm512_set1_epi32((int)l));
+    return (_mm512_cmpge_epi32_mask(x, _mm512_set1_epi32(a0)) & _mm512_cmplt_epi32_mask(x, _mm512_set1_epi32(a1))) |
+           (_mm512_cmpge_epi32_mask(x, _mm512_set1_epi32(b0)) & _mm512_cmplt_epi32_mask(x, _mm512_set1_epi32(b1)));
+  }
+  static F max_where(Mask m, F acc, F v) { return _mm512_mask_max_ps(acc, m, acc, v); }
+  static F keep(Mask m, F v) { return _mm512_maskz_mov_ps(m, v); }   // v where m, else 0
+
+  static int32_t store_s8(int8_t* dst, const F* v) {
+    _mm_storeu_si128((__m128i*)dst, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v[0])));
+    _mm_storeu_si128((__m128i*)(dst + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v[1])));
+    return 0;   // VPDPBUSD needs no code sums
+  }
+};
+#endif
+
+struct Vec256 {
+  static constexpr int W = 8;
+  using F = __m256;
+  using I = __m256i;
+  using Mask = __m256;   // all-ones lanes
+  static constexpr int MT_MAX = 4;
+  static constexpr int PV_NJ = 4, PV_ACC = 8;
+
+  LOOM_FLOAT_OPS(_mm256)
+  static F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static void store(at::Half* p, F v) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static I first(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(n, W)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // masked loads and stores are slow on some CPUs: only for a partial vector
+  static F load_part(const float* p, int64_t n) { return _mm256_maskload_ps(p, first(n)); }
+  static void store_part(float* p, F v, int64_t n) { _mm256_maskstore_ps(p, first(n), v); }
+  static F round(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // two exact power-of-two steps built in the exponent bits (n in [-126, 128])
+  static F scale2n(F v, F n) {
+    const I ni = _mm256_cvtps_epi32(n);
+    const I n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const I bias = _mm256_set1_epi32(127);
+    const F p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const F p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return mul(mul(v, p1), p2);
+  }
+  static float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float hmax(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+
+  // two rounds of pairwise horizontal adds, then the two 128-bit lanes added (9 instructions)
+  static F reduce(const F* v) {
+    const F a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const F a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const F b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return add(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+  }
+
+  static Mask in_ranges(int64_t l, int a0, int a1, int b0, int b1) {
+    const I x = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)l));
+    auto in = [&](int lo, int hi) {   // lo <= x < hi
+      return _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), x), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), x));
+    };
+    return _mm256_castsi256_ps(_mm256_or_si256(in(a0, a1), in(b0, b1)));
+  }
+  static F max_where(Mask m, F acc, F v) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, v), m); }
+  static F keep(Mask m, F v) { return _mm256_and_ps(m, v); }
+
+  // 32 int8 codes in order (the per-lane packing undone); returns their sum
+  static int32_t store_s8(int8_t* dst, const F* v) {
+    const I b = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1])),
+                                   _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3])));
+    const I q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)dst, q);
+    const I s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+  }
+};
+
+// ---- vector math over any V -----------------------------------------------------------------
+
+// exp(x): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6 polynomial (rel. err ~2e-7).
+template <class V>
+inline typename V::F vexp(typename V::F x) {
+  x = V::max(V::min(x, V::set1(88.3762626647949f)), V::set1(-87.3365447504f));
+  const typename V::F t = V::mul(x, V::set1(1.44269504088896341f)), n = V::round(t);
+  const typename V::F f = V::sub(t, n);  // in [-0.5, 0.5]
+  typename V::F p = V::set1(1.535336188319500e-4f);
+  p = V::fma(p, f, V::set1(1.339887440266574e-3f));
+  p = V::fma(p, f, V::set1(9.618437357674640e-3f));
+  p = V::fma(p, f, V::set1(5.550332471162809e-2f));
+  p = V::fma(p, f, V::set1(2.402264791363012e-1f));
+  p = V::fma(p, f, V::set1(6.931472028550421e-1f));
+  p = V::fma(p, f, V::set1(1.0f));
+  return V::scale2n(p, n);
+}
+
+template <class V>
+inline typename V::F silu(typename V::F g) {
+  return V::div(g, V::add(V::set1(1.0f), vexp<V>(V::sub(V::zero(), g))));
+}
+
+// gelu with the tanh approximation: 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi)(g + 0.044715 g^3)
+template <class V>
+inline typename V::F gelu_tanh(typename V::F g) {
+  const typename V::F g3 = V::mul(V::mul(g, g), g);
+  const typename V::F u = V::mul(V::set1(0.7978845608028654f), V::fma(V::set1(0.044715f), g3, g));
+  return V::div(g, V::add(V::set1(1.0f), vexp<V>(V::mul(V::set1(-2.0f), u))));
+}
+
+}  // namespace loom
