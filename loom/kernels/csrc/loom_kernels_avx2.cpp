@@ -23,18 +23,23 @@ struct Isa : Vec256 {
   template <int BITS, int MT>
   static void dots(const uint8_t* wp, int h, const int32_t* const* xp, const int32_t* xs, I* dot) {
     const I ones = _mm256_set1_epi16(1);
-    if constexpr (BITS == 4) {
+    if constexpr (BITS == 4) {   // code[j] pairs with input dword j: the low, then high nibbles of chunk j / 2
       const I low = _mm256_set1_epi8(0x0F);
-      I s[MT];
-      for (int i = 0; i < MT; ++i) s[i] = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {   // chunk c: low nibbles pair with input dword 2c, high with 2c + 1
+      I code[8];
+      for (int c = 0; c < 4; ++c) {
         const I v = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
-        const I lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int i = 0; i < MT; ++i)
-          s[i] = _mm256_add_epi16(s[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[i][2 * c])),
-                                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[i][2 * c + 1]))));
+        code[2 * c] = _mm256_and_si256(v, low);
+        code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
-      for (int i = 0; i < MT; ++i) dot[i] = _mm256_madd_epi16(s[i], ones);
+      for (int i = 0; i < MT; ++i) {
+        I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[i][0]));
+        I s1 = _mm256_maddubs_epi16(code[1], _mm256_set1_epi32(xp[i][1]));
+        for (int c = 2; c < 8; c += 2) {
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[c], _mm256_set1_epi32(xp[i][c])));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[c + 1], _mm256_set1_epi32(xp[i][c + 1])));
+        }
+        dot[i] = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+      }
     } else {
       const I flip = _mm256_set1_epi8((char)0x80);
       for (int i = 0; i < MT; ++i) dot[i] = _mm256_set1_epi32(128 * xs[i]);

@@ -126,7 +126,7 @@ inline void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t 
     int32_t xs[MT];
     for (int i = 0; i < MT; ++i) {
       xp[i] = (const int32_t*)(qa.xq.data() + (m0 + i) * K + g * GROUP);
-      xs[i] = V::kCodeSums ? qa.xs[(m0 + i) * G + g] : 0;
+      xs[i] = V::kCodeSums && BITS == 8 ? qa.xs[(m0 + i) * G + g] : 0;   // read by 8-bit dots only
     }
     typename V::I dot[MT];
     V::template dots<BITS, MT>(wp, h, xp, xs, dot);
@@ -140,20 +140,20 @@ inline void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t 
   }
 }
 
-// y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column; fewer than 16 rows only at the end of N
-template <class V, int BITS, int MT, typename S>
+// y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it; fewer
+// than 16 rows only at the end of N
+template <class V, int BITS, int MT, typename S, int H = 0>
 inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y, int64_t ldy,
                  int64_t n0, int64_t N, bool accumulate) {
-  for (int h = 0; h < ROWS / V::W; ++h) {
-    const int64_t n = N - n0 - h * V::W;
-    if (n <= 0) break;
-    typename V::F acc[MT];
-    tile_part<V, BITS, MT, S>(w, G, qa, K, m0, h, acc);
-    for (int i = 0; i < MT; ++i) {
-      float* yp = y + (m0 + i) * ldy + n0 + h * V::W;
-      V::store_n(yp, accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i], n);
-    }
+  const int64_t n = N - n0 - H * V::W;
+  if (n <= 0) return;
+  typename V::F acc[MT];
+  tile_part<V, BITS, MT, S>(w, G, qa, K, m0, H, acc);
+  for (int i = 0; i < MT; ++i) {
+    float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
+    V::store_n(yp, accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i], n);
   }
+  if constexpr (H + 1 < ROWS / V::W) tile<V, BITS, MT, S, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
 }
 
 // the tile for mt = 1 .. MT activation rows
@@ -365,9 +365,11 @@ void shared_values(const PagedAttn<C>& a, AttnItem& it) {
       static_assert(NV % NJ == 0, "fixed head sizes are whole value tiles");
       int64_t i0 = 0;
       for (; i0 + QT <= it.m; i0 += QT)
-        for (int64_t j0 = 0; j0 < NV; j0 += NJ) pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
+        for (int64_t j0 = 0; j0 < NV; j0 += NJ)
+          pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
       for (; i0 < it.m; ++i0)
-        for (int64_t j0 = 0; j0 < NV; j0 += NJ) pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
+        for (int64_t j0 = 0; j0 < NV; j0 += NJ)
+          pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
     } else {
       for (int64_t i = 0; i < it.m; ++i) {
         float* oh = it.out[i];
