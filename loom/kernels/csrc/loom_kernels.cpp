@@ -14,7 +14,7 @@ struct Isa : Vec512 {
   // dot[i] = <codes of block wp, xp[i]> over one 32-group, one int32 per output row: VPDPBUSD
   // (u8 x s8 -> s32) covers 16 rows x 4 inputs, eight of them a group.
   template <int BITS, int MT>
-  static void dots(const uint8_t* wp, int, const int32_t* const* xp, const int32_t*, I* dot) {
+  LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* const* xp, const int32_t*, I* dot) {
     I code[8];
     if constexpr (BITS == 4) {
       const I low = _mm512_set1_epi8(0x0F);

@@ -21,7 +21,7 @@ struct Isa : Vec256 {
 
   // dot[i] = <codes of rows 8h .. 8h+7 of block wp, xp[i]> over one 32-group, one int32 per row
   template <int BITS, int MT>
-  static void dots(const uint8_t* wp, int h, const int32_t* const* xp, const int32_t* xs, I* dot) {
+  LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* const* xp, const int32_t* xs, I* dot) {
     const I ones = _mm256_set1_epi16(1);
     if constexpr (BITS == 4) {   // code[j] pairs with input dword j: the low, then high nibbles of chunk j / 2
       const I low = _mm256_set1_epi8(0x0F);

@@ -114,7 +114,7 @@ constexpr int64_t block_bytes() { return (BITS == 4 ? 256 : 512) + 2 * ROWS * si
 
 // acc[i] = rows h W .. (h + 1) W - 1 of a block column times activation row m0 + i, over all G groups
 template <class V, int BITS, int MT, typename S>
-inline void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
+LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
                       typename V::F* acc) {
   constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>();
   for (int i = 0; i < MT; ++i) acc[i] = V::zero();
@@ -217,7 +217,9 @@ struct AttnItem {   // one (row group, kv head) and the buffers of its steps
   std::vector<int64_t> first;        // per row: its first visible key
   std::vector<const float*> q;       // per query i = (row, head)
   std::vector<float*> out;
-  std::vector<float> p, buf;         // scores [m, stride]; KB keys or values as float
+  std::vector<float> mem;            // holds, from 64-byte boundaries (whole cache lines per vector):
+  float* kv;                         //   KB keys or values as float rows of D
+  float* scores;                     //   [m, stride]
 };
 
 template <typename C>
@@ -246,23 +248,32 @@ void plan_item(const PagedAttn<C>& a, int64_t work, AttnItem& it) {
   it.Ls = it.P - lo;
   it.stride = it.Ls + maxtail;
   it.shared_slots = a.slots + it.r0 * a.lds + lo;
-  it.p.resize(it.m * it.stride);
-  it.buf.resize(KB * a.D);
+  it.mem.resize(KB * a.D + it.m * it.stride + 48);
+  it.kv = (float*)(((uintptr_t)it.mem.data() + 63) & ~(uintptr_t)63);
+  it.scores = it.kv + KB * a.D + 16;   // one line apart: its stores do not 4K-alias the kv rows' loads
+}
+
+// the head size: a compile-time constant for the fixed sizes (NV = D / W vectors), else a.D
+template <class V, int NV, typename C>
+inline int64_t head_dim(const PagedAttn<C>& a) {
+  if constexpr (NV > 0) return V::W * NV;
+  else return a.D;
 }
 
 // keys or values of the shared slots [l0, l0 + mm) of kv head kh, as float rows of D
-template <class V, typename C>
+template <class V, int NV, typename C>
 inline void shared_to_float(const PagedAttn<C>& a, const AttnItem& it, const C* cache, int64_t l0, int64_t mm,
                             float* buf) {
+  const int64_t D = head_dim<V, NV>(a);
   for (int64_t r = 0; r < mm; ++r) {
-    const C* src = cache + (it.shared_slots[l0 + r] * a.Hkv + it.kh) * a.D;
-    for (int64_t j = 0; j < a.D; j += V::W) V::store(buf + r * a.D + j, V::load(src + j));
+    const C* src = cache + (it.shared_slots[l0 + r] * a.Hkv + it.kh) * D;
+    for (int64_t j = 0; j < D; j += V::W) V::store(buf + r * D + j, V::load(src + j));
   }
 }
 
 // W scores <q, k_r> for the keys in buf (rows of D floats); NV = D / W when fixed, else 0
 template <class V, int NV, bool FULL>
-inline typename V::F qk(const float* qh, const float* buf, int64_t Drt, int64_t mm) {
+LOOM_INLINE typename V::F qk(const float* qh, const float* buf, int64_t Drt, int64_t mm) {
   const int64_t D = NV > 0 ? V::W * NV : Drt, nv = D / V::W;
   typename V::F acc[V::W];
   for (int r = 0; r < V::W; ++r) acc[r] = V::zero();
@@ -278,29 +289,30 @@ inline typename V::F qk(const float* qh, const float* buf, int64_t Drt, int64_t 
 template <class V, int NV, typename C>
 void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
   const typename V::F sv = V::set1(a.scale);
-  float* buf = it.buf.data();
+  const int64_t D = head_dim<V, NV>(a);
+  float* buf = it.kv;
   for (int64_t l0 = 0; l0 < it.Ls; l0 += KB) {
     const int64_t mm = std::min<int64_t>(KB, it.Ls - l0);
-    shared_to_float<V>(a, it, a.kc, l0, mm, buf);
+    shared_to_float<V, NV>(a, it, a.kc, l0, mm, buf);
     for (int64_t i = 0; i < it.m; ++i)
       for (int64_t h = 0; h < mm; h += V::W) {
-        const float* kb = buf + h * a.D;
-        const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(it.q[i], kb, a.D, V::W)
-                                                : qk<V, NV, false>(it.q[i], kb, a.D, mm - h);
-        V::store_n(it.p.data() + i * it.stride + l0 + h, V::mul(sc, sv), mm - h);
+        const float* kb = buf + h * D;
+        const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(it.q[i], kb, D, V::W)
+                                                : qk<V, NV, false>(it.q[i], kb, D, mm - h);
+        V::store_n(it.scores + i * it.stride + l0 + h, V::mul(sc, sv), mm - h);
       }
   }
 }
 
 // QK, tail: query i's scores over its row's own keys past the shared part
-template <class V, typename C>
+template <class V, int NV, typename C>
 void tail_scores(const PagedAttn<C>& a, AttnItem& it, int64_t i) {
-  const int64_t r = i / (a.H / a.Hkv), row = it.r0 + r, L = a.ctx[row];
-  float* pi = it.p.data() + i * it.stride;
+  const int64_t r = i / (a.H / a.Hkv), row = it.r0 + r, L = a.ctx[row], D = head_dim<V, NV>(a);
+  float* pi = it.scores + i * it.stride;
   for (int64_t t = std::max<int64_t>(it.P, it.first[r]); t < L; ++t) {
-    const C* kp = a.kc + (a.slots[row * a.lds + t] * a.Hkv + it.kh) * a.D;
+    const C* kp = a.kc + (a.slots[row * a.lds + t] * a.Hkv + it.kh) * D;
     typename V::F acc = V::zero();
-    for (int64_t j = 0; j < a.D; j += V::W) acc = V::fma(V::load(it.q[i] + j), V::load(kp + j), acc);
+    for (int64_t j = 0; j < D; j += V::W) acc = V::fma(V::load(it.q[i] + j), V::load(kp + j), acc);
     pi[it.Ls + t - it.P] = V::hsum(acc) * a.scale;
   }
 }
@@ -327,14 +339,14 @@ void softmax_row(float* p, int64_t n, int a0, int a1, int b0, int b1) {
 template <class V, typename C>
 void query_softmax(const PagedAttn<C>& a, AttnItem& it, int64_t i) {
   const int64_t r = i / (a.H / a.Hkv), L = a.ctx[it.r0 + r], f = it.first[r];
-  softmax_row<V>(it.p.data() + i * it.stride, it.stride, (int)(std::min(f, it.P) - it.lo), (int)it.Ls,
+  softmax_row<V>(it.scores + i * it.stride, it.stride, (int)(std::min(f, it.P) - it.lo), (int)it.Ls,
                  (int)(it.Ls + std::max<int64_t>(0, f - it.P)), (int)(it.Ls + L - it.P));
 }
 
 // out[t][W j0 .. W (j0 + NJ)) += sum_r w[t][r] * buf[r][same columns] for QT queries (weights
 // p + t * stride), mm value rows of D floats
 template <class V, int NJ, int QT>
-inline void pv_tile(float* const* out, const float* p, int64_t stride, const float* buf, int64_t D, int64_t j0,
+LOOM_INLINE void pv_tile(float* const* out, const float* p, int64_t stride, const float* buf, int64_t D, int64_t j0,
                     int64_t mm) {
   typename V::F acc[QT][NJ];
   for (int t = 0; t < QT; ++t)
@@ -354,12 +366,12 @@ inline void pv_tile(float* const* out, const float* p, int64_t stride, const flo
 // head sizes in register tiles of QT queries x NJ vectors (V::PV_ACC accumulators)
 template <class V, int NV, typename C>
 void shared_values(const PagedAttn<C>& a, AttnItem& it) {
-  float* buf = it.buf.data();
-  const int64_t D = a.D, stride = it.stride;
+  float* buf = it.kv;
+  const int64_t D = head_dim<V, NV>(a), stride = it.stride;
   for (int64_t l0 = 0; l0 < it.Ls; l0 += KB) {
     const int64_t mm = std::min<int64_t>(KB, it.Ls - l0);
-    shared_to_float<V>(a, it, a.vc, l0, mm, buf);
-    const float* p0 = it.p.data() + l0;
+    shared_to_float<V, NV>(a, it, a.vc, l0, mm, buf);
+    const float* p0 = it.scores + l0;
     if constexpr (NV > 0) {
       constexpr int NJ = std::min(NV, V::PV_NJ), QT = V::PV_ACC / NJ;
       static_assert(NV % NJ == 0, "fixed head sizes are whole value tiles");
@@ -383,17 +395,17 @@ void shared_values(const PagedAttn<C>& a, AttnItem& it) {
 }
 
 // PV, tail: the values of each row's own keys
-template <class V, typename C>
+template <class V, int NV, typename C>
 void tail_values(const PagedAttn<C>& a, AttnItem& it) {
-  const int64_t G = a.H / a.Hkv;
+  const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
   for (int64_t i = 0; i < it.m; ++i) {
     const int64_t r = i / G, row = it.r0 + r, L = a.ctx[row];
     float* oh = it.out[i];
-    const float* pi = it.p.data() + i * it.stride;
+    const float* pi = it.scores + i * it.stride;
     for (int64_t t = std::max<int64_t>(it.P, it.first[r]); t < L; ++t) {
-      const C* vp = a.vc + (a.slots[row * a.lds + t] * a.Hkv + it.kh) * a.D;
+      const C* vp = a.vc + (a.slots[row * a.lds + t] * a.Hkv + it.kh) * D;
       const typename V::F w = V::set1(pi[it.Ls + t - it.P]);
-      for (int64_t j = 0; j < a.D; j += V::W) V::store(oh + j, V::fma(w, V::load(vp + j), V::load(oh + j)));
+      for (int64_t j = 0; j < D; j += V::W) V::store(oh + j, V::fma(w, V::load(vp + j), V::load(oh + j)));
     }
   }
 }
@@ -414,12 +426,12 @@ void attn_impl(const PagedAttn<C>& a) {
       plan_item(a, work, it);
       shared_scores<V, NV>(a, it);
       for (int64_t i = 0; i < it.m; ++i) {
-        tail_scores<V>(a, it, i);
+        tail_scores<V, NV>(a, it, i);
         query_softmax<V>(a, it, i);
-        std::fill(it.out[i], it.out[i] + a.D, 0.0f);
+        std::fill(it.out[i], it.out[i] + head_dim<V, NV>(a), 0.0f);
       }
       shared_values<V, NV>(a, it);
-      tail_values<V>(a, it);
+      tail_values<V, NV>(a, it);
     }
   });
 }

@@ -23,6 +23,8 @@
 
 namespace loom {
 
+#define LOOM_INLINE inline __attribute__((always_inline))   // inner loops: inlined whatever the heuristics say
+
 constexpr int GROUP = 32;   // inputs per quantization group
 constexpr int ROWS = 16;    // output rows per packed block
 
