@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"parallel"},
     {"llm"},
     {"server"},
-    {"bench"},
+    {"bench", "eval"},
     {"cli"},
     {"__main__", "__init__"},       # `python -m loom`; the package's lazy public names
 ]
