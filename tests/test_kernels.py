@@ -102,9 +102,8 @@ def _quantized_acts(x: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(codes: QuantCodes, x: torch.Tensor) -> torch.Tensor:
-    # y = sum_g a d <q, xq> + b * sum(x): quantized activations for the code term, exact sums for b
-    b = codes.b.repeat_interleave(32, dim=1)
-    return _quantized_acts(x).double() @ (codes.dequantize() - b).double().T + x.double() @ b.double().T
+    # y = dequantized x @ dequantized W^T: the group sums of the b term are those of the quantized x
+    return _quantized_acts(x).double() @ codes.dequantize().double().T
 
 
 def _random_codes(n: int, k: int, bits: int, seed: int, fp16_scales: bool) -> QuantCodes:

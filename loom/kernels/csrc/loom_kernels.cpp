@@ -6,7 +6,10 @@
 //   W: per output row n and 32-wide group g, unsigned codes q (4 or 8 bits) with an affine
 //      map w = a[n,g] * q + b[n,g]. Exact for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 blocks.
 //   x: each row, after an optional fused pre-op (RMSNorm, SwiGLU, GeGLU), is quantized per
-//      32-group to int8: x ~ d[m,g] * xq, with the exact float group sum s[m,g] kept.
+//      32-group to int8: x ~ d[m,g] * xq, and s[m,g] = d[m,g] * sum(xq), the group sum of the
+//      quantized values: y is then the exact product of the dequantized W and x, whose rounding
+//      errors cancel around the weights' zero (an exact float sum would leave them weighted
+//      by the unsigned codes, 8 or 128 times a centred weight).
 //   y[m,n] = sum_g a[n,g] * d[m,g] * <q[n,g,:], xq[m,g,:]> + b[n,g] * s[m,g]
 //   The integer dot products use VPDPBUSD (u8 x s8 -> s32): one instruction covers 16 output
 //   rows x 4 inputs. Every row of x is computed the same way whatever M is, so results do
@@ -127,7 +130,7 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
     _mm_storeu_si128((__m128i*)(xq + g * GROUP), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128((__m128i*)(xq + g * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
     d[g] = dg;
-    s[g] = hsum(_mm512_add_ps(v0, v1));
+    s[g] = dg * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));   // the sum of what was quantized
   }
 }
 

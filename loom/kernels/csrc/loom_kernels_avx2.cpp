@@ -7,7 +7,7 @@
 //   W: per output row n and 32-wide group g, unsigned codes q (4 or 8 bits) with an affine
 //      map w = a[n,g] * q + b[n,g]. Exact for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 blocks.
 //   x: each row, after an optional fused pre-op (RMSNorm, SwiGLU, GeGLU), is quantized per
-//      32-group to int8: x ~ d[m,g] * xq, with the exact float group sum s[m,g] kept.
+//      32-group to int8: x ~ d[m,g] * xq, with s[m,g] = d[m,g] * sum(xq) (see loom_kernels.cpp).
 //   y[m,n] = sum_g a[n,g] * d[m,g] * <q[n,g,:], xq[m,g,:]> + b[n,g] * s[m,g]
 //   The integer dot products use VPMADDUBSW (u8 x s8 -> s16 pair sums) then VPMADDWD (s16 ->
 //   s32). VPMADDUBSW saturates, so it only ever sees 4-bit values: 4-bit codes directly, 8-bit
@@ -80,6 +80,13 @@ inline __m256 gelu_tanh256(__m256 g) {
   __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
   __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(x);
 }
 
 inline float hsum(__m256 v) {
@@ -167,7 +174,8 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
     for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // round to nearest even
     _mm256_storeu_si256((__m256i*)(xq + g * GROUP), pack_s8(q[0], q[1], q[2], q[3]));
     d[g] = dg;
-    s[g] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    s[g] = dg * (float)hsum_epi32(qs);   // the sum of what was quantized (see loom_kernels.cpp)
   }
 }
 
