@@ -121,3 +121,39 @@ def test_cli_eval_errors_are_one_line(tiny_llama_path, tmp_path, content, messag
     r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(path)])
     assert r.exit_code == 1
     assert message in r.output and r.output.strip().count("\n") == 0
+
+
+# -- lm-eval against `loom serve` -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_lm_eval_runs_a_loglikelihood_and_a_generation_task(real, tmp_path):
+    """lm-eval's local-completions model, tokenizing through the server's /tokenize: a
+    multiple-choice task (prompt logprobs through echo) and a generate_until task, both from
+    local files built from ../shared/data."""
+    import subprocess
+    import sys
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "benchmarks" / "lm_eval" / "make_tasks.py"), str(tmp_path), "--docs", "3"],
+                   check=True)
+    out = simple_evaluate(
+        model="local-completions",
+        model_args=f"model=smollm2-135m,base_url={real.url}/v1/completions,tokenizer_backend=remote,"
+                   "num_concurrent=2,max_retries=1",
+        tasks=["loom_shakespeare_cloze", "loom_gsm8k_cot"], task_manager=TaskManager(include_path=str(tmp_path)),
+        limit=3, log_samples=True)
+    res = out["results"]
+    assert 0.0 <= res["loom_shakespeare_cloze"]["acc,none"] <= 1.0
+    assert 0.0 <= res["loom_gsm8k_cot"]["exact_match,strict-match"] <= 1.0
+    cloze = out["samples"]["loom_shakespeare_cloze"]
+    assert len(cloze) == 3
+    for sample in cloze:   # four choices, each a finite log-likelihood of its continuation
+        lls = [r[0][0] for r in sample["resps"]]
+        assert len(lls) == 4 and all(math.isfinite(x) and x < 0 for x in lls)
+    gens = [s["resps"][0][0] for s in out["samples"]["loom_gsm8k_cot"]]
+    assert len(gens) == 3 and all(isinstance(g, str) for g in gens) and any(gens)   # "" when it stops at once
