@@ -1,0 +1,185 @@
+"""`loom serve MODEL --replicas N`: the replica and ingress deployments on Ray Serve.
+
+    check the options, the model file and the Ray address    # one-line errors, before Ray starts
+    ray.init(address or a local Ray with this machine's cores)
+    serve.start(HTTP on host:port); serve.run(ingress -> replicas)   # waits for every replica
+    wait for SIGINT / SIGTERM
+    serve.shutdown() (local Ray) or serve.delete(app) (a shared cluster); ray.shutdown()
+
+A local Ray is started by and for this command, so stopping it leaves no process behind; on
+an existing cluster (`--ray-address`) only this command's application is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import socket
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from ray.serve.config import RequestRouterConfig
+
+from loom.cluster.config import UNBOUNDED_ONGOING, ClusterConfig, ClusterConfigError
+from loom.cluster.ingress import REPLICA_DEPLOYMENT, IngressSettings, LoomIngress
+from loom.cluster.replica import LoomReplica, ReplicaSpec
+from loom.cluster.router import ROUTERS
+from loom.config import EngineConfig, physical_cores
+from loom.errors import LoomError
+from loom.loader.gguf import GGUFFile
+from loom.loader.registry import resolve_model
+from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger("loom.cluster")
+
+APP_NAME = "loom"
+REACH_TIMEOUT_S = 3.0
+LOCAL_OBJECT_STORE_BYTES = 128 << 20   # requests and answers are small; the models live in the replicas
+
+
+class _Stop(Exception):
+    """SIGINT or SIGTERM arrived."""
+
+
+def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
+                api_key: str | None = None, served_model_name: str | None = None,
+                max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                log_level: str = "info", access_log: bool = True) -> None:
+    """Serves `config`'s model on `cluster.replicas` Ray Serve replicas until interrupted."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _check_model(config)
+    if cluster.ray_address is None:
+        _check_local_cores(cluster)
+    else:
+        check_reachable(cluster.ray_address)
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    local = cluster.ray_address is None
+    try:
+        _init_ray(cluster, log_level)
+        signal.signal(signal.SIGINT, _raise_stop)     # ray.init may install its own handlers
+        signal.signal(signal.SIGTERM, _raise_stop)
+        _check_capacity(cluster)
+        spec = ReplicaSpec(config, api_key=api_key, served_model_name=served_model_name,
+                           max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
+        serve.start(http_options={"host": host, "port": port},
+                    logging_config={"log_level": "WARNING" if log_level != "debug" else "DEBUG"})
+        _deploy(build_application(spec, cluster, max_body_bytes, access_log, log_level))
+        log.info("serving %s on http://%s:%d with %d replica(s) x %d thread(s), %s routing",
+                 config.load.model, host, port, cluster.replicas, cluster.threads, cluster.router)
+        while True:
+            time.sleep(3600)
+    except _Stop:
+        log.info("stopping the replicas")
+    finally:
+        for sig in previous:   # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        _stop(local)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def build_application(spec: ReplicaSpec, cluster: ClusterConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                      access_log: bool = True, log_level: str = "info"):
+    """The Serve application: the ingress bound to the replica deployment."""
+    logging_config = {"log_level": "DEBUG" if log_level == "debug" else "WARNING",
+                      "enable_access_log": access_log}
+    router = RequestRouterConfig(request_router_class=ROUTERS[cluster.router],
+                                 request_routing_stats_period_s=cluster.stats_period_s,
+                                 request_routing_stats_timeout_s=10.0)
+    replicas = serve.deployment(LoomReplica, name=REPLICA_DEPLOYMENT).options(
+        request_router_config=router, logging_config=logging_config, **cluster.replica_options())
+    ingress = serve.deployment(serve.ingress()(LoomIngress), name="LoomIngress").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=UNBOUNDED_ONGOING,
+        logging_config=logging_config)
+    return ingress.bind(replicas.bind(spec), IngressSettings(router=cluster.router, max_body_bytes=max_body_bytes))
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop()
+
+
+def _check_model(config: EngineConfig) -> None:
+    """A missing or unreadable model fails here, in one line, before any replica starts."""
+    GGUFFile.open(resolve_model(config.load.model))
+
+
+def _check_local_cores(cluster: ClusterConfig) -> None:
+    cores = physical_cores()
+    if cluster.threads > cores:
+        raise ClusterConfigError(f"--threads {cluster.threads} is more than this machine's {cores} cores")
+    need = cluster.max_count * cluster.threads
+    if need > cores:
+        raise ClusterConfigError(f"{cluster.max_count} replicas x {cluster.threads} threads need {need} cores; "
+                                 f"this machine has {cores} (lower --replicas/--max-replicas or --threads, "
+                                 f"or join a cluster with --ray-address)")
+
+
+def check_reachable(address: str) -> None:
+    """Fails within seconds, in one line, when nothing listens at a Ray address."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterConfigError(f"--ray-address must be HOST:PORT (or ray://HOST:PORT, or auto), got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise ClusterConfigError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+
+
+def _init_ray(cluster: ClusterConfig, log_level: str) -> None:
+    quiet = log_level != "debug"
+    common: dict[str, Any] = {"logging_level": logging.WARNING if quiet else logging.DEBUG,
+                              "log_to_driver": not quiet, "configure_logging": True}
+    if cluster.ray_address is None:
+        ray.init(num_cpus=physical_cores(), include_dashboard=False,
+                 object_store_memory=LOCAL_OBJECT_STORE_BYTES, **common)
+    else:
+        try:
+            ray.init(address=cluster.ray_address, **common)
+        except (ConnectionError, RuntimeError) as e:
+            raise ClusterConfigError(f"cannot join the Ray cluster at {cluster.ray_address}: "
+                                     f"{str(e).splitlines()[0]}") from None
+
+
+def _check_capacity(cluster: ClusterConfig) -> None:
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    need = (cluster.min_replicas if cluster.autoscaling and cluster.min_replicas is not None
+            else cluster.replicas) * cluster.threads
+    if need > cpus:
+        raise ClusterConfigError(f"{need} CPUs are needed for the replicas ({cluster.threads} thread(s) each); "
+                                 f"the Ray cluster has {cpus}")
+
+
+def _deploy(app) -> None:
+    """serve.run, with a replica's model error as the one-line error instead of Ray's report."""
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError as e:
+        raise LoomError(_deploy_error(str(e))) from None
+
+
+def _deploy_error(text: str) -> str:
+    found = re.findall(r"ReplicaLoadError: (.+)", text)
+    if found:
+        return f"a replica could not load the model: {found[-1].strip()}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f"the deployment failed: {lines[-1] if lines else 'no reason given'}"
+
+
+def _stop(local: bool) -> None:
+    if not ray.is_initialized():
+        return
+    try:
+        if local:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    except Exception as e:  # noqa: BLE001 - Ray is going away anyway
+        log.warning("stopping the Serve application failed: %s", e)
+    ray.shutdown()
