@@ -287,6 +287,7 @@ def serve(
         cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
                                 max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
                                 router=router)
+        cluster.check_before_ray()
 
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,

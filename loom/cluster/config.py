@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
+from loom.config import physical_cores
 from loom.errors import LoomError
 
 ROUTER_NAMES = ("prefix-aware", "power-of-two")
+REACH_TIMEOUT_S = 3.0
 UNBOUNDED_ONGOING = 10_000   # replicas take what Ray sends; the engine's --max-waiting answers 429
 
 
@@ -53,6 +56,14 @@ class ClusterConfig:
         """The most replicas this deployment may run."""
         return self.max_replicas if self.max_replicas is not None else self.replicas
 
+    def check_before_ray(self) -> None:
+        """The checks that need the machine or the network (not Ray): cores for a local Ray, a
+        reachable address for an existing one."""
+        if self.ray_address is None:
+            check_local_cores(self)
+        else:
+            check_reachable(self.ray_address)
+
     def replica_options(self) -> dict[str, Any]:
         """`serve.deployment` options of the replica deployment (but the router's)."""
         options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.threads},
@@ -68,3 +79,28 @@ class ClusterConfig:
         else:
             options["num_replicas"] = self.replicas
         return options
+
+
+def check_local_cores(cluster: ClusterConfig) -> None:
+    cores = physical_cores()
+    if cluster.threads > cores:
+        raise ClusterConfigError(f"--threads {cluster.threads} is more than this machine's {cores} cores")
+    need = cluster.max_count * cluster.threads
+    if need > cores:
+        raise ClusterConfigError(f"{cluster.max_count} replicas x {cluster.threads} threads need {need} cores; "
+                                 f"this machine has {cores} (lower --replicas/--max-replicas or --threads, "
+                                 f"or join a cluster with --ray-address)")
+
+
+def check_reachable(address: str) -> None:
+    """Fails within seconds, in one line, when nothing listens at a Ray address."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterConfigError(f"--ray-address must be HOST:PORT (or ray://HOST:PORT, or auto), got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise ClusterConfigError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None

@@ -45,6 +45,7 @@ from loom.server.sse import DONE, event
 log = logging.getLogger("loom.cluster")
 
 REPLICA_DEPLOYMENT = "LoomReplica"
+REPLICA_HEADER = "x-loom-replica"   # on every forwarded answer: the replica that served it
 _METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
 
@@ -142,8 +143,11 @@ async def _first(gen: DeploymentResponseGenerator) -> ResponseStart:
 
 
 def _headers(start: ResponseStart) -> dict[str, str]:
+    """The replica's headers (less those of its own framing) and which replica answered."""
     skip = {"content-length", "transfer-encoding", "connection"}
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower().decode() not in skip}
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower().decode() not in skip}
+    headers[REPLICA_HEADER] = start.replica
+    return headers
 
 
 async def _collect(gen: DeploymentResponseGenerator, start: ResponseStart) -> Response:

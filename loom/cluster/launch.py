@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import re
 import signal
-import socket
 import time
 from typing import Any
 
@@ -37,7 +36,6 @@ from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES
 log = logging.getLogger("loom.cluster")
 
 APP_NAME = "loom"
-REACH_TIMEOUT_S = 3.0
 LOCAL_OBJECT_STORE_BYTES = 128 << 20   # requests and answers are small; the models live in the replicas
 
 
@@ -52,10 +50,7 @@ def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "12
     """Serves `config`'s model on `cluster.replicas` Ray Serve replicas until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     _check_model(config)
-    if cluster.ray_address is None:
-        _check_local_cores(cluster)
-    else:
-        check_reachable(cluster.ray_address)
+    cluster.check_before_ray()
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     local = cluster.ray_address is None
     try:
@@ -105,31 +100,6 @@ def _raise_stop(signum: int, frame: Any) -> None:
 def _check_model(config: EngineConfig) -> None:
     """A missing or unreadable model fails here, in one line, before any replica starts."""
     GGUFFile.open(resolve_model(config.load.model))
-
-
-def _check_local_cores(cluster: ClusterConfig) -> None:
-    cores = physical_cores()
-    if cluster.threads > cores:
-        raise ClusterConfigError(f"--threads {cluster.threads} is more than this machine's {cores} cores")
-    need = cluster.max_count * cluster.threads
-    if need > cores:
-        raise ClusterConfigError(f"{cluster.max_count} replicas x {cluster.threads} threads need {need} cores; "
-                                 f"this machine has {cores} (lower --replicas/--max-replicas or --threads, "
-                                 f"or join a cluster with --ray-address)")
-
-
-def check_reachable(address: str) -> None:
-    """Fails within seconds, in one line, when nothing listens at a Ray address."""
-    if address == "auto":
-        return
-    hostport = address.split("://", 1)[-1]
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ClusterConfigError(f"--ray-address must be HOST:PORT (or ray://HOST:PORT, or auto), got {address!r}")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
-    except OSError as e:
-        raise ClusterConfigError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 def _init_ray(cluster: ClusterConfig, log_level: str) -> None:

@@ -51,6 +51,8 @@ class _Families:
     def render(self) -> bytes:
         out: list[str] = []
         for name, (kind, doc, lines) in self.families.items():
+            if kind == "counter":   # as prometheus_client writes it: the sample name in the header
+                name += "_total"
             out.append(f"# HELP {name} {doc}")
             out.append(f"# TYPE {name} {kind}")
             out.extend(lines)
