@@ -110,6 +110,122 @@ def test_router_prefers_the_replica_holding_the_prefix_until_it_is_overloaded():
     asyncio.run(run())
 
 
+# -- the ingress's retries (stand-in handle) ---------------------------------------------------------
+
+
+class _Answers:
+    """A stand-in for `handle.options(stream=True).forward.remote(req)`: each call plays the next
+    scripted answer: a list of items (ResponseStart, bytes, or an exception to raise)."""
+
+    def __init__(self, *scripts: list):
+        self.scripts = list(scripts)
+        self.requests: list[ForwardedRequest] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def forward(self):
+        return self
+
+    def remote(self, req: ForwardedRequest):
+        self.requests.append(req)
+        script = self.scripts.pop(0)
+
+        class _Gen:
+            def __init__(self):
+                self.items = iter(script)
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                item = next(self.items, StopAsyncIteration)
+                if item is StopAsyncIteration or isinstance(item, BaseException):
+                    raise item
+                return item
+
+            def cancel(self):
+                pass
+
+        return _Gen()
+
+
+class _StatsRouter:
+    deployment_name = "LoomReplica"
+    routed_by_replica: dict = {}
+
+    def replica_stats(self):
+        return {"a": {}, "b": {}}
+
+
+def _forward(answers: _Answers, body: bytes) -> tuple:
+    from starlette.requests import Request
+
+    from loom.cluster import registry
+    from loom.cluster.ingress import IngressSettings, LoomIngress
+
+    router = _StatsRouter()
+    registry.register(router)
+    ingress = object.__new__(LoomIngress)
+    ingress.handle, ingress.settings = answers, IngressSettings(router="prefix-aware", max_body_bytes=1 << 20)
+    ingress.retries, ingress.failures = __import__("collections").Counter(), 0
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def run():
+        response = await ingress.forward(Request(scope, receive))
+        chunks = []
+        if hasattr(response, "body_iterator"):
+            async for chunk in response.body_iterator:
+                chunks.append(chunk if isinstance(chunk, bytes) else chunk.encode())
+        else:
+            chunks.append(response.body)
+        return response, b"".join(chunks)
+
+    response, content = asyncio.run(run())
+    return response, content, ingress
+
+
+def test_ingress_sends_a_refused_request_to_another_replica_and_passes_the_last_429():
+    from ray.exceptions import ActorDiedError
+
+    from loom.cluster.forwarding import ResponseStart
+
+    full = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+    ok = [(b"content-type", b"application/json")]
+    answers = _Answers([ResponseStart(429, tuple(full), "a"), b'{"error": 1}'],
+                       [ActorDiedError()],
+                       [ResponseStart(200, tuple(ok), "b"), b'{"ok": true}'])
+    response, content, ingress = _forward(answers, b'{"prompt": "hi"}')
+    assert response.status_code == 200 and content == b'{"ok": true}'
+    assert response.headers["x-loom-replica"] == "b"
+    assert answers.requests[1].avoid_replicas == ("a",)            # the retry skips the full replica
+    assert ingress.retries == {"queue_full": 1, "replica_died": 1} and ingress.failures == 1
+
+    answers = _Answers([ResponseStart(429, tuple(full), "a"), b'{"error": 1}'],
+                       [ResponseStart(429, tuple(full), "b"), b'{"error": 2}'])
+    response, content, _ = _forward(answers, b'{"prompt": "hi"}')
+    assert response.status_code == 429 and response.headers["retry-after"] == "1" and content == b'{"error": 2}'
+
+
+def test_ingress_ends_a_stream_whose_replica_died_with_an_error_event():
+    from ray.exceptions import ActorDiedError
+
+    from loom.cluster.forwarding import ResponseStart
+
+    sse = [(b"content-type", b"text/event-stream")]
+    answers = _Answers([ResponseStart(200, tuple(sse), "a"), b'data: {"n": 1}\n\n', ActorDiedError()])
+    response, content, ingress = _forward(answers, b'{"prompt": "hi", "stream": true}')
+    events = [e for e in content.decode().split("\n\n") if e]
+    assert response.status_code == 200 and events[0] == 'data: {"n": 1}'
+    assert '"code":"replica_failed"' in events[1] and events[2] == "data: [DONE]"
+    assert ingress.failures == 1
+
+
 # -- request marking, metrics, options -----------------------------------------------------------
 
 
