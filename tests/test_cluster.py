@@ -96,7 +96,7 @@ def test_router_prefers_the_replica_holding_the_prefix_until_it_is_overloaded():
 
         system = "You are a careful assistant. " * 10
         first = (await route(system + "Q1", 1))[0][0]
-        assert (await route(system + "Q2", 2))[0] == [first]                     # sticky
+        assert await route(system + "Q2", 2) == [[first]]                       # sticky
         other = (await route("Another long system prompt entirely. " * 8, 3))[0][0]
         assert other != first                                                    # new prefix: emptiest replica
         assert (await route(system + "Q3", 4, avoid=(first,)))[0][0] != first    # the ingress's avoid list

@@ -5,7 +5,7 @@ together with the key of block i-1, so a key stands for the whole prefix up to i
 (as the engine's own prefix cache keys its KV blocks by token prefix):
 
     keys(text)   = [h(b0), h(h(b0), b1), h(h(h(b0), b1), b2), ...]     # at most max_blocks
-    index[key]   = {replica: last use}            # inverted: who holds this prefix
+    index[key]   = replica, or {replicas}         # inverted: who holds this prefix (a set once shared)
     lru[replica] = OrderedDict(key -> None)       # per replica, oldest first, capped
 
 `match(keys, candidates)` walks the keys while some candidate still holds them and returns,
@@ -16,25 +16,22 @@ cache also evicts under memory pressure); `capacity_blocks` bounds it per replic
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 DEFAULT_BLOCK_CHARS = 64
 DEFAULT_MAX_BLOCKS = 256              # 16 KiB of leading text per prompt
-DEFAULT_CAPACITY_BLOCKS = 65_536      # per replica: 4 MiB of text, ~64 bytes of state per key
+DEFAULT_CAPACITY_BLOCKS = 16_384      # per replica: 1 MiB of text, about 250k tokens of KV
 
 
 def prefix_keys(text: str, block_chars: int = DEFAULT_BLOCK_CHARS, max_blocks: int = DEFAULT_MAX_BLOCKS) -> list[int]:
-    """The chained block keys of the full blocks of `text` (a partial last block has none)."""
+    """The chained block keys of the full blocks of `text` (a partial last block has none).
+    Python's string hash: keys are compared only inside the process that made them (the router's)."""
     keys: list[int] = []
-    parent = b""
-    data = text.encode("utf-8", "surrogatepass")
-    step = block_chars
-    for start in range(0, min(len(data), step * max_blocks) - step + 1, step):
-        digest = hashlib.blake2b(parent + data[start:start + step], digest_size=8).digest()
-        keys.append(int.from_bytes(digest, "little"))
-        parent = digest
+    parent = 0
+    for start in range(0, min(len(text), block_chars * max_blocks) - block_chars + 1, block_chars):
+        parent = hash((parent, text[start:start + block_chars]))
+        keys.append(parent)
     return keys
 
 
@@ -43,7 +40,7 @@ class PrefixIndex:
 
     def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS):
         self.capacity_blocks = capacity_blocks
-        self._holders: dict[int, set[Hashable]] = {}
+        self._holders: dict[int, Hashable | set[Hashable]] = {}   # one holder stored bare: most keys
         self._lru: dict[Hashable, OrderedDict[int, None]] = {}
 
     def __len__(self) -> int:
@@ -65,7 +62,7 @@ class PrefixIndex:
                 lru.move_to_end(key)
             else:
                 lru[key] = None
-                self._holders.setdefault(key, set()).add(replica)
+                self._add_holder(key, replica)
         while len(lru) > self.capacity_blocks:
             old, _ = lru.popitem(last=False)
             self._drop_holder(old, replica)
@@ -85,20 +82,39 @@ class PrefixIndex:
         """Per candidate, the number of leading `keys` it holds (0 for most)."""
         alive = set(candidates)
         depth = dict.fromkeys(alive, 0)
+        reached = 0
         for i, key in enumerate(keys):
             holders = self._holders.get(key)
-            if not holders:
+            if holders is None:
                 break
-            alive &= holders
-            if not alive:
+            if isinstance(holders, set):
+                held = alive & holders
+            else:
+                held = {holders} if holders in alive else set()
+            if not held:
                 break
-            for replica in alive:
-                depth[replica] = i + 1
+            if len(held) < len(alive):
+                for dropped in alive - held:
+                    depth[dropped] = reached
+            alive, reached = held, i + 1
+        for replica in alive:
+            depth[replica] = reached
         return depth
+
+    def _add_holder(self, key: int, replica: Hashable) -> None:
+        holders = self._holders.get(key)
+        if holders is None:
+            self._holders[key] = replica
+        elif isinstance(holders, set):
+            holders.add(replica)
+        elif holders != replica:
+            self._holders[key] = {holders, replica}
 
     def _drop_holder(self, key: int, replica: Hashable) -> None:
         holders = self._holders.get(key)
-        if holders is not None:
+        if isinstance(holders, set):
             holders.discard(replica)
-            if not holders:
-                del self._holders[key]
+            if len(holders) == 1:
+                self._holders[key] = next(iter(holders))
+        elif holders is not None and holders == replica:
+            del self._holders[key]

@@ -8,15 +8,16 @@ the ingress's `DeploymentHandle` routes each forwarded request.
     load  = requests in flight on each candidate (Ray's queue-length cache of this handle)
     depth = leading blocks each candidate served recently (PrefixIndex.match)
     if a candidate holds a prefix and its load <= the least load + imbalance_threshold:
-        [[that candidate], the others by load]          # sticky: its KV cache has the prefix
+        [[that candidate]]                              # sticky: its KV cache has the prefix
     elif the loads are balanced:
-        [[least loaded, ties to the replica holding fewest keys], the others by load]
+        [[least loaded, ties to the replica holding fewest keys]]
     else:
         [[two random candidates]]                       # power of two choices (Ray's default)
 
-Ray then sends the request to the first replica of the first rank that accepts it, so a full
-replica (max_ongoing_requests) is passed over; `on_request_routed` records the prefix under
-the replica that took it. Multi-turn conversations stick to a replica because each turn's
+Ray then sends the request to a replica of the first rank that accepts it (a queue-length
+probe); from the fourth try of a request on, the other replicas follow as a second rank, so a
+full or unresponsive replica is passed over. `on_request_routed` records the prefix under the
+replica that took it. Multi-turn conversations stick to a replica because each turn's
 prompt extends the previous one.
 
 Both routers keep the replicas' `record_routing_stats` (engine counters and the replica's
@@ -70,6 +71,11 @@ def _avoided(pending: PendingRequest | None) -> frozenset[str]:
 class _StatsMixin:
     """Registers the router for the ingress; counts the requests routed to each replica."""
 
+    # Ray probes a replica's queue length before sending to it and skips the replica when the
+    # answer is late; its 0.1 s default misfires on a busy CPU host (the replicas compute on
+    # every core), turning a prefix-aware choice into a random one.
+    queue_len_response_deadline_s = 0.5
+
     def _init_stats(self) -> None:
         self.deployment_name = self._deployment_id.name
         self.routed_by_replica: dict[str, int] = {}   # cumulative, by replica unique id
@@ -104,6 +110,7 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
         self.imbalance_threshold = imbalance_threshold
         self.index = PrefixIndex(capacity_blocks)
         self._keys: dict[str, list[int]] = {}   # internal request id -> its keys, until routed
+        self._tries: dict[str, int] = {}        # internal request id -> choose_replicas calls
         self.num_prefix_routed = 0
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -123,12 +130,22 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
                 top = [r for r in by_load if depth[r.replica_id] == best]
                 if loads[top[0].replica_id] <= least + self.imbalance_threshold:
                     self.num_prefix_routed += 1
-                    return [[top[0]], [r for r in by_load if r is not top[0]]]
+                    return self._ranks(top[0], by_load, pending_request)
         if max(loads.values()) - least <= self.imbalance_threshold:
             sizes = self.index.sizes()
             first = min(by_load, key=lambda r: (loads[r.replica_id], sizes.get(r.replica_id, 0), random.random()))
-            return [[first], [r for r in by_load if r is not first]]
+            return self._ranks(first, by_load, pending_request)
         return [random.sample(candidates, 2)]
+
+    def _ranks(self, first: RunningReplica, by_load: list[RunningReplica],
+               pending: PendingRequest | None) -> list[list[RunningReplica]]:
+        """The choice alone for its first tries (a slow queue-length probe is tried again rather
+        than losing the prefix), then the others by load as fallbacks."""
+        rid = pending.metadata.internal_request_id if pending is not None else ""
+        tries = self._tries[rid] = self._tries.get(rid, 0) + 1
+        if tries <= 3:
+            return [[first]]
+        return [[first], [r for r in by_load if r is not first]]
 
     def _request_keys(self, pending: PendingRequest | None) -> list[int]:
         if pending is None:
@@ -142,6 +159,7 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._count_routed(replica_id)
+        self._tries.pop(pending_request.metadata.internal_request_id, None)
         keys = self._keys.pop(pending_request.metadata.internal_request_id, None)
         if keys is None:
             keys = self._request_keys(pending_request)
@@ -151,6 +169,7 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._keys.pop(internal_request_id, None)
+        self._tries.pop(internal_request_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
