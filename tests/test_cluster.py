@@ -446,3 +446,15 @@ def test_sigterm_stops_every_process(cluster):
     assert cluster.process.wait(timeout=60) == 0
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.info if hasattr(p, "info") else p.pid for p in alive]
+
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_load_reports_the_model_error(tiny_llama_path):
+    """The model file opens, but the replica's engine fails (its draft model is missing): the
+    command ends with the engine's message in one line, and Ray is stopped."""
+    result = _loom(str(tiny_llama_path), "--replicas", "1", "--threads", "1", "--port", str(free_port()),
+                   "--speculative-config", '{"method": "draft_model", "model": "/nonexistent/draft.gguf"}')
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[-1]] and "a replica could not load the model: RegistryError" in errors[0], result.stderr
+    assert "/nonexistent/draft.gguf" in errors[0] and "Traceback" not in result.stderr

@@ -49,6 +49,8 @@ def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "12
                 log_level: str = "info", access_log: bool = True) -> None:
     """Serves `config`'s model on `cluster.replicas` Ray Serve replicas until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if log_level != "debug":
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     _check_model(config)
     cluster.check_before_ray()
     previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -131,7 +133,19 @@ def _deploy(app) -> None:
     try:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except RuntimeError as e:
-        raise LoomError(_deploy_error(str(e))) from None
+        raise LoomError(_deploy_error("\n".join([str(e), *_deployment_messages()]))) from None
+
+
+def _deployment_messages() -> list[str]:
+    """Ray Serve's status messages of the application's deployments (a failed replica's
+    traceback is there)."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001 - only used to word an error
+        return []
+    if app is None:
+        return []
+    return [app.message or ""] + [d.message or "" for d in app.deployments.values()]
 
 
 def _deploy_error(text: str) -> str:
