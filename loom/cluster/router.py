@@ -141,10 +141,11 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
                pending: PendingRequest | None) -> list[list[RunningReplica]]:
         """The choice alone for its first tries (a slow queue-length probe is tried again rather
         than losing the prefix), then the others by load as fallbacks."""
-        rid = pending.metadata.internal_request_id if pending is not None else ""
-        tries = self._tries[rid] = self._tries.get(rid, 0) + 1
-        if tries <= 3:
-            return [[first]]
+        if pending is not None:
+            rid = pending.metadata.internal_request_id
+            tries = self._tries[rid] = self._tries.get(rid, 0) + 1
+            if tries <= 3:
+                return [[first]]
         return [[first], [r for r in by_load if r is not first]]
 
     def _request_keys(self, pending: PendingRequest | None) -> list[int]:
