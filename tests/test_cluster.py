@@ -232,7 +232,8 @@ def test_ingress_ends_a_stream_whose_replica_died_with_an_error_event():
 def test_routing_text_of_completions_and_chat():
     assert routing_text(b'{"prompt": "hello", "stream": true}') == ("hello", True)
     assert routing_text(b'{"prompt": ["first", "second"]}') == ("first", False)
-    chat = b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}'
+    chat = (b'{"messages": [{"role": "system", "content": "be brief"}, '
+            b'{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}')
     assert routing_text(chat) == ("<system>be brief<user>hi", False)
     assert routing_text(b"{not json") == ("", False)
     assert routing_text(b'[1, 2]') == ("", False)
@@ -305,9 +306,13 @@ def _loom(*args: str) -> subprocess.CompletedProcess:
     (["--replicas", "1", "--ray-address", "127.0.0.1:{port}"], "cannot reach the Ray cluster at 127.0.0.1:"),
 ])
 def test_bad_cluster_options_are_one_line_errors(tiny_llama_path, args, message):
+    from typer.testing import CliRunner
+
+    from loom.cli import app
+
     args = [a.format(port=free_port()) for a in args]
-    result = _loom(str(tiny_llama_path), *args)
-    assert result.returncode == 1
+    result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), *args])
+    assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
