@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"llm"},
     {"server"},
     {"cluster"},                    # Ray Serve deployments around the server's app
-    {"bench"},
+    {"bench", "eval"},
     {"cli"},
     {"__main__", "__init__"},       # `python -m loom`; the package's lazy public names
 ]

@@ -286,6 +286,13 @@ inline void pv_tile(float* const* out, const float* p, int64_t stride, const flo
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out[t] + 16 * j, acc[t][j]);
 }
 
+// whether any of the queries i0 .. i0 + n - 1 (G per row, row contexts cl) has keys at or past t
+inline bool any_reaches(const int64_t* cl, int64_t G, int64_t i0, int64_t n, int64_t t) {
+  for (int64_t i = i0; i < i0 + n; ++i)
+    if (cl[i / G] > t) return true;
+  return false;
+}
+
 template <typename C, int NV>
 void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int64_t* sl, int64_t lds,
                const int64_t* cl, const int64_t* gs, const int64_t* sh, int64_t NG, int64_t H, int64_t Hkv,
@@ -322,34 +329,45 @@ void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int
           ops[r * G + g] = ob + (r0 + r) * H * D + (kh * G + g) * D;
         }
       }
+      lo -= lo % 16;   // key t always sits in lane t % 16 of the sums below, whatever the grouping
       const int64_t Ls = P - lo, stride = Ls + maxtail;
       p.resize(m * stride);
       float* pd = p.data();
       const int64_t* shared_slots = sl + r0 * lds + lo;
       const __m512 sv = _mm512_set1_ps(scale);
-      // scores over the shared keys, 16 at a time
+      // scores over the shared keys, 16 at a time (a row's keys past its own context are skipped)
       for (int64_t l0 = 0; l0 < Ls; l0 += 16) {
         const int64_t mm = std::min<int64_t>(16, Ls - l0);
         for (int64_t r = 0; r < mm; ++r) to_float(kc + (shared_slots[l0 + r] * Hkv + kh) * D, buf.data() + r * D, D);
         const __mmask16 mk = (__mmask16)((1u << mm) - 1);
         for (int64_t i = 0; i < m; ++i) {
+          if (cl[r0 + i / G] <= lo + l0) continue;
           const __m512 sc = mm == 16 ? qk16<NV, true>(qps[i], buf.data(), D, 16) : qk16<NV, false>(qps[i], buf.data(), D, mm);
           _mm512_mask_storeu_ps(pd + i * stride + l0, mk, _mm512_mul_ps(sc, sv));
         }
       }
-      // each row's own keys past the shared part; softmax over the visible keys
+      // each row's own keys past the shared part, 16 at a time through the same dot product, so a
+      // key's score has the same bits whether it is shared or a row's own
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t row = r0 + r, L = cl[row];
+        for (int64_t t0 = std::max<int64_t>(P, first[r]); t0 < L; t0 += 16) {
+          const int64_t mm = std::min<int64_t>(16, L - t0);
+          for (int64_t j = 0; j < mm; ++j) to_float(kc + (sl[row * lds + t0 + j] * Hkv + kh) * D, buf.data() + j * D, D);
+          const __mmask16 mk = (__mmask16)((1u << mm) - 1);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 sc = mm == 16 ? qk16<NV, true>(qps[r * G + g], buf.data(), D, 16)
+                                       : qk16<NV, false>(qps[r * G + g], buf.data(), D, mm);
+            _mm512_mask_storeu_ps(pd + (r * G + g) * stride + Ls + t0 - P, mk, _mm512_mul_ps(sc, sv));
+          }
+        }
+      }
+      // softmax over each query's visible keys
       for (int64_t i = 0; i < m; ++i) {
         const int64_t r = i / G, row = r0 + r, L = cl[row];
-        const float* qh = qps[i];
         float* pi = pd + i * stride;
-        for (int64_t t = std::max<int64_t>(P, first[r]); t < L; ++t) {
-          const C* kp = kc + (sl[row * lds + t] * Hkv + kh) * D;
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t j = 0; j < D; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), load16(kp + j), acc);
-          pi[Ls + t - P] = hsum(acc) * scale;
-        }
         // visible: [a0, a1) of the shared part, [b0, b1) of the tail
-        const __m512i a0 = _mm512_set1_epi32((int)(std::min(first[r], P) - lo)), a1 = _mm512_set1_epi32((int)Ls);
+        const __m512i a0 = _mm512_set1_epi32((int)(std::min(first[r], P) - lo));
+        const __m512i a1 = _mm512_set1_epi32((int)(std::min(L, P) - lo));
         const __m512i b0 = _mm512_set1_epi32((int)(Ls + std::max<int64_t>(0, first[r] - P)));
         const __m512i b1 = _mm512_set1_epi32((int)(Ls + L - P));
         auto visible = [&](int64_t l) -> __mmask16 {
@@ -382,10 +400,14 @@ void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int
         if constexpr (NV > 0) {
           constexpr int QT = NV >= 16 ? 1 : 16 / NV;   // queries per register tile
           int64_t i0 = 0;
-          for (; i0 + QT <= m; i0 += QT) pv_tile<NV, QT>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), mm);
-          for (; i0 < m; ++i0) pv_tile<NV, 1>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), mm);
+          for (; i0 + QT <= m; i0 += QT)
+            if (any_reaches(cl + r0, G, i0, QT, lo + l0))   // all-zero weights would add nothing
+              pv_tile<NV, QT>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), mm);
+          for (; i0 < m; ++i0)
+            if (cl[r0 + i0 / G] > lo + l0) pv_tile<NV, 1>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), mm);
         } else {
           for (int64_t i = 0; i < m; ++i) {
+            if (cl[r0 + i / G] <= lo + l0) continue;
             float* oh = ops[i];
             for (int64_t r = 0; r < mm; ++r) {
               const __m512 w = _mm512_set1_ps(pd[i * stride + l0 + r]);

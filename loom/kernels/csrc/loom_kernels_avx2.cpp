@@ -370,6 +370,13 @@ inline void pv_tile(float* const* out, const float* p, int64_t stride, const flo
     for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(out[t] + 8 * (j0 + j), acc[t][j]);
 }
 
+// whether any of the queries i0 .. i0 + n - 1 (G per row, row contexts cl) has keys at or past t
+inline bool any_reaches(const int64_t* cl, int64_t G, int64_t i0, int64_t n, int64_t t) {
+  for (int64_t i = i0; i < i0 + n; ++i)
+    if (cl[i / G] > t) return true;
+  return false;
+}
+
 template <typename C, int NV>
 void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int64_t* sl, int64_t lds,
                const int64_t* cl, const int64_t* gs, const int64_t* sh, int64_t NG, int64_t H, int64_t Hkv,
@@ -406,36 +413,44 @@ void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int
           ops[r * G + g] = ob + (r0 + r) * H * D + (kh * G + g) * D;
         }
       }
+      lo -= lo % KB;   // key t always sits in lane t % 8 of the sums below, whatever the grouping
       const int64_t Ls = P - lo, stride = Ls + maxtail;
       p.resize(m * stride);
       float* pd = p.data();
       const int64_t* shared_slots = sl + r0 * lds + lo;
       const __m256 sv = _mm256_set1_ps(scale);
-      // scores over the shared keys, KB at a time, 8 per vector
+      // scores over KB keys in buf (mm of them) for query qh, into dst
+      auto score_tile = [&](const float* qh, int64_t mm, float* dst) {
+        for (int64_t h = 0; h < mm; h += 8) {
+          const float* kb = buf.data() + h * D;
+          const __m256 sc = mm - h >= 8 ? qk8<NV, true>(qh, kb, D, 8) : qk8<NV, false>(qh, kb, D, mm - h);
+          store_n(dst + h, _mm256_mul_ps(sc, sv), mm - h);
+        }
+      };
+      // scores over the shared keys, KB at a time, 8 per vector (a row's keys past its own context are skipped)
       for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
         const int64_t mm = std::min<int64_t>(KB, Ls - l0);
         for (int64_t r = 0; r < mm; ++r) to_float(kc + (shared_slots[l0 + r] * Hkv + kh) * D, buf.data() + r * D, D);
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t h = 0; h < mm; h += 8) {
-            const float* kb = buf.data() + h * D;
-            const __m256 sc = mm - h >= 8 ? qk8<NV, true>(qps[i], kb, D, 8) : qk8<NV, false>(qps[i], kb, D, mm - h);
-            store_n(pd + i * stride + l0 + h, _mm256_mul_ps(sc, sv), mm - h);
-          }
+        for (int64_t i = 0; i < m; ++i)
+          if (cl[r0 + i / G] > lo + l0) score_tile(qps[i], mm, pd + i * stride + l0);
+      }
+      // each row's own keys past the shared part, KB at a time through the same dot product, so a
+      // key's score has the same bits whether it is shared or a row's own
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t row = r0 + r, L = cl[row];
+        for (int64_t t0 = std::max<int64_t>(P, first[r]); t0 < L; t0 += KB) {
+          const int64_t mm = std::min<int64_t>(KB, L - t0);
+          for (int64_t j = 0; j < mm; ++j) to_float(kc + (sl[row * lds + t0 + j] * Hkv + kh) * D, buf.data() + j * D, D);
+          for (int64_t g = 0; g < G; ++g) score_tile(qps[r * G + g], mm, pd + (r * G + g) * stride + Ls + t0 - P);
         }
       }
-      // each row's own keys past the shared part; softmax over the visible keys
+      // softmax over each query's visible keys
       for (int64_t i = 0; i < m; ++i) {
-        const int64_t r = i / G, row = r0 + r, L = cl[row];
-        const float* qh = qps[i];
+        const int64_t r = i / G, L = cl[r0 + r];
         float* pi = pd + i * stride;
-        for (int64_t t = std::max<int64_t>(P, first[r]); t < L; ++t) {
-          const C* kp = kc + (sl[row * lds + t] * Hkv + kh) * D;
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t j = 0; j < D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j), load8(kp + j), acc);
-          pi[Ls + t - P] = hsum(acc) * scale;
-        }
         // visible: [a0, a1) of the shared part, [b0, b1) of the tail (both end by stride)
-        const __m256i a0 = _mm256_set1_epi32((int)(std::min(first[r], P) - lo)), a1 = _mm256_set1_epi32((int)Ls);
+        const __m256i a0 = _mm256_set1_epi32((int)(std::min(first[r], P) - lo));
+        const __m256i a1 = _mm256_set1_epi32((int)(std::min(L, P) - lo));
         const __m256i b0 = _mm256_set1_epi32((int)(Ls + std::max<int64_t>(0, first[r] - P)));
         const __m256i b1 = _mm256_set1_epi32((int)(Ls + L - P));
         auto visible = [&](int64_t l) -> __m256i {
@@ -468,13 +483,16 @@ void attn_impl(const float* qb, int64_t ldq, const C* kc, const C* vc, const int
           static_assert(NV % PV_NJ == 0, "fixed head sizes are whole value tiles");
           int64_t i0 = 0;
           for (; i0 + PV_QT <= m; i0 += PV_QT)
-            for (int64_t j0 = 0; j0 < NV; j0 += PV_NJ)
-              pv_tile<PV_NJ, PV_QT>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), D, j0, mm);
+            if (any_reaches(cl + r0, G, i0, PV_QT, lo + l0))   // all-zero weights would add nothing
+              for (int64_t j0 = 0; j0 < NV; j0 += PV_NJ)
+                pv_tile<PV_NJ, PV_QT>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), D, j0, mm);
           for (; i0 < m; ++i0)
-            for (int64_t j0 = 0; j0 < NV; j0 += PV_NJ)
-              pv_tile<PV_NJ, 1>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), D, j0, mm);
+            if (cl[r0 + i0 / G] > lo + l0)
+              for (int64_t j0 = 0; j0 < NV; j0 += PV_NJ)
+                pv_tile<PV_NJ, 1>(ops.data() + i0, pd + i0 * stride + l0, stride, buf.data(), D, j0, mm);
         } else {
           for (int64_t i = 0; i < m; ++i) {
+            if (cl[r0 + i / G] <= lo + l0) continue;
             float* oh = ops[i];
             for (int64_t r = 0; r < mm; ++r) {
               const __m256 w = _mm256_set1_ps(pd[i * stride + l0 + r]);
