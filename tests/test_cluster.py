@@ -296,7 +296,7 @@ def test_a_replica_model_error_is_reported_in_one_line():
 def _loom(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.run([sys.executable, "-m", "loom", "serve", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=REPO_ROOT)
+                          timeout=300, env=env, cwd=REPO_ROOT)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -69,7 +69,9 @@ class ClusterConfig:
         options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.threads},
                                    "max_ongoing_requests": UNBOUNDED_ONGOING,
                                    "health_check_period_s": 2, "health_check_timeout_s": 30,
-                                   "graceful_shutdown_timeout_s": 5}
+                                   "graceful_shutdown_timeout_s": 5,
+                                   # a model that does not load fails the same way again: fail fast
+                                   "max_constructor_retry_count": self.max_count + 1}
         if self.autoscaling:
             auto: dict[str, Any] = {"min_replicas": self.min_replicas if self.min_replicas is not None else 1,
                                     "max_replicas": self.max_count, "initial_replicas": self.replicas}
