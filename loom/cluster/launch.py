@@ -116,7 +116,16 @@ def _init_ray(cluster: ClusterConfig, log_level: str) -> None:
             ray.init(address=cluster.ray_address, **common)
         except (ConnectionError, RuntimeError) as e:
             raise ClusterConfigError(f"cannot join the Ray cluster at {cluster.ray_address}: "
-                                     f"{str(e).splitlines()[0]}") from None
+                                     f"{_join_error(e)}") from None
+
+
+def _join_error(e: BaseException) -> str:
+    """Ray's reason in one line; a missing token is said with its remedy."""
+    chain = [e, e.__cause__, e.__cause__.__cause__ if e.__cause__ is not None else None]
+    if any(isinstance(c, ray.exceptions.AuthenticationError) for c in chain if c is not None):
+        return ("the cluster requires its authentication token: set RAY_AUTH_MODE=token and give the head "
+                "node's token (its ~/.ray/auth_token) as ~/.ray/auth_token or RAY_AUTH_TOKEN here")
+    return str(e).splitlines()[0]
 
 
 def _check_capacity(cluster: ClusterConfig) -> None:
@@ -152,6 +161,10 @@ def _deploy_error(text: str) -> str:
     found = re.findall(r"ReplicaLoadError: (.+)", text)
     if found:
         return f"a replica could not load the model: {found[-1].strip()}"
+    missing = re.findall(r"No module named '(loom[\w.]*)'", text)
+    if missing:
+        return (f"the Ray workers cannot import {missing[-1]}: install this loom version on every node "
+                f"of the cluster")
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return f"the deployment failed: {lines[-1] if lines else 'no reason given'}"
 
