@@ -291,6 +291,23 @@ def test_a_replica_model_error_is_reported_in_one_line():
     text = ("Deploying app 'loom' failed with exception:\nTraceback (most recent call last):\n  File ...\n"
             "loom.cluster.replica.ReplicaLoadError: InvalidRequestError: num_blocks too small\n")
     assert _deploy_error(text) == "a replica could not load the model: InvalidRequestError: num_blocks too small"
+    assert _deploy_error("...\nModuleNotFoundError: No module named 'loom.cluster'\n") == (
+        "the Ray workers cannot import loom.cluster: install this loom version on every node of the cluster")
+
+
+def test_a_missing_cluster_token_is_said_with_its_remedy():
+    from ray.exceptions import AuthenticationError
+
+    from loom.cluster.launch import _join_error
+
+    try:
+        try:
+            raise AuthenticationError("RPC error: InvalidAuthToken")
+        except AuthenticationError as cause:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379") from cause
+    except ConnectionError as e:
+        assert "set RAY_AUTH_MODE=token" in _join_error(e)
+    assert _join_error(ConnectionError("Failed to connect\nmore")) == "Failed to connect"
 
 
 def _loom(*args: str) -> subprocess.CompletedProcess:
