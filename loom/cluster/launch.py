@@ -109,7 +109,7 @@ def _init_ray(cluster: ClusterConfig, log_level: str) -> None:
     common: dict[str, Any] = {"logging_level": logging.WARNING if quiet else logging.DEBUG,
                               "log_to_driver": not quiet, "configure_logging": True}
     if cluster.ray_address is None:
-        ray.init(num_cpus=physical_cores(), include_dashboard=False,
+        ray.init(address="local", num_cpus=physical_cores(), include_dashboard=False,   # never a stale cluster file
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, **common)
     else:
         try:
