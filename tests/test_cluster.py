@@ -384,7 +384,8 @@ def test_the_api_through_the_ingress(cluster):
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
     assert bad.status_code == 400
-    assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok", "replicas": 2}
+    _wait(lambda: httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok", "replicas": 2}, 30,
+          "/health to count both replicas")
 
 
 @pytest.mark.slow
