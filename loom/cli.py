@@ -255,14 +255,39 @@ def serve(
     engine_process: bool = typer.Option(True, "--engine-process/--no-engine-process",
                                         help="Run the engine in its own process (the HTTP front end in this "
                                              "one); --no-engine-process keeps it on a thread here."),
+    replicas: int | None = typer.Option(
+        None, "--replicas", help="Serve with N engine replicas on Ray Serve behind this endpoint (threads per "
+                                 "replica: --threads, default cores / N); see docs/cluster.md."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="With --replicas: join the Ray cluster at HOST:PORT (default: start a local "
+                                    "Ray for this command)."),
+    min_replicas: int | None = typer.Option(None, "--min-replicas", help="Ray Serve autoscaling: fewest replicas."),
+    max_replicas: int | None = typer.Option(None, "--max-replicas", help="Ray Serve autoscaling: most replicas."),
+    target_ongoing_requests: float | None = typer.Option(
+        None, "--target-ongoing-requests", help="Ray Serve autoscaling: requests in flight per replica to aim at."),
+    router: str = typer.Option("prefix-aware", "--router",
+                               help="With --replicas: prefix-aware (longest cached prompt prefix when loads are "
+                                    "balanced) or power-of-two (Ray Serve's default)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web playground at /."""
-    from loom.config import EngineConfig
+    from loom.config import EngineConfig, physical_cores
     from loom.server import run_server
 
     if log_level not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter(f"expected debug, info, warning or error, got {log_level!r}",
                                  param_hint="--log-level")
+    clustered = replicas is not None or ray_address is not None or \
+        (min_replicas, max_replicas, target_ongoing_requests) != (None, None, None)
+    cluster = None
+    if clustered:
+        from loom.cluster.config import ClusterConfig
+
+        count = replicas if replicas is not None else 1
+        threads = threads if threads is not None else max(1, physical_cores() // max(1, count))
+        cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
+                                max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
+                                router=router)
+        cluster.check_before_ray()
 
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
@@ -270,6 +295,13 @@ def serve(
                                  num_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=prefix_caching, seed=seed,
                                  speculative_config=_json_option(speculative_config, "--speculative-config"))
+    if cluster is not None:
+        from loom.cluster.launch import run_cluster
+
+        run_cluster(config, cluster, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                    max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
+                    access_log=access_log)
+        return
     run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
                access_log=access_log, engine_process=engine_process)

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"parallel"},
     {"llm"},
     {"server"},
+    {"cluster"},                    # Ray Serve deployments around the server's app
     {"bench", "eval"},
     {"cli"},
     {"__main__", "__init__"},       # `python -m loom`; the package's lazy public names
