@@ -26,6 +26,7 @@ UTF-8 character.
 
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from loom.errors import ModelLoadError, TokenizerError
+from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
 from loom.loader.chat_template import ChatTemplate
 from loom.loader.gguf import GGUFFile
 
@@ -370,13 +372,13 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple
         merges = [tuple(m.split(" ")) for m in file_merges]
     elif layout == "gemma":
         # Gemma's scores do not follow its merge order; the order of tokens in the file does.
-        merges = merges_by_score(spelled, -np.arange(n, dtype=np.float64))
+        merges = _cached_merges(f, spelled, -np.arange(n, dtype=np.float64), layout)
     else:
         scores = md.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != n:
             raise ModelLoadError(f.path, "SentencePiece vocabulary with neither merges nor one "
                                          "'tokenizer.ggml.scores' entry per token")
-        merges = merges_by_score(spelled, np.asarray(scores, dtype=np.float64))
+        merges = _cached_merges(f, spelled, np.asarray(scores, dtype=np.float64), layout)
     unk_id = md.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if layout in ("gemma", "gemma4") and unk_id is not None and 0 <= int(unk_id) < n else None
     try:
@@ -401,6 +403,29 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple
                                                          split=False)
     backend.decoder = decoders.Sequence([*pieces_to_text, decoders.Strip(content=" ", left=1, right=0)])
     return backend, spelled
+
+
+def _cached_merges(f: GGUFFile, spelled: list[str], scores: np.ndarray, layout: str) -> list[tuple[str, str]]:
+    """`merges_by_score`, kept in the cache as token id pairs: deriving them takes seconds for a
+    262k vocabulary, reading them back milliseconds. Keyed by the file's content, the layout and
+    this code; an unreadable or inconsistent file is recomputed (and a failed write ignored)."""
+    key = source_digest(__file__) + layout + loom_version()
+    name = f"{file_sha256(f.path)[:24]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.merges.npy"
+    path = cache_root() / "tokenizers" / name
+    try:
+        pairs = np.load(path, allow_pickle=False)
+        if pairs.ndim == 2 and pairs.shape[1] == 2 and (pairs.size == 0 or 0 <= pairs.min() <= pairs.max() < len(spelled)):
+            return [(spelled[a], spelled[b]) for a, b in pairs.tolist()]
+    except (OSError, ValueError, EOFError):
+        pass
+    merges = merges_by_score(spelled, scores)
+    ids = {t: i for i, t in enumerate(spelled)}
+    pairs = np.array([(ids[a], ids[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
+    try:
+        atomic_write(path, lambda out: np.save(out, pairs, allow_pickle=False))
+    except CacheWriteError:
+        pass   # derived again at the next load
+    return merges
 
 
 def _register_added_tokens(backend: _Backend, tokens: list[str], spelled: list[str], types: np.ndarray,

@@ -74,7 +74,7 @@ class Gemma3ForCausalLM:
         self.norm = w.get("output_norm.weight", (D,))
         head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
         self.lm_head = make_linear(head, linear)
-        self.embed = embed.dense
+        self.embed = w.embedding("token_embd.weight", (cfg.vocab_size, D))   # rows gathered from the stored table
         self.embed_scale = torch.tensor(D ** 0.5, dtype=torch.float32)
         self.rope_global = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)

@@ -59,7 +59,7 @@ class LlamaForCausalLM:
         embed = w.linear("token_embd.weight", (cfg.vocab_size, D))             # [V, D]
         head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
         self.lm_head = make_linear(head, linear)
-        self.embed = embed.dense
+        self.embed = w.embedding("token_embd.weight", (cfg.vocab_size, D))   # rows gathered from the stored table
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
