@@ -55,8 +55,8 @@ def measure_serve_start(model_path: Path, threads: int, env: dict[str, str], dty
                     return {"serve_start_seconds": time.perf_counter() - start}
                 if proc.poll() is not None:
                     err.seek(0)
-                    tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or [f"status {proc.returncode}"]
-                    return {"serve_start_error": f"loom serve exited: {tail[0]}"}
+                    tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
+                    return {"serve_start_error": f"loom serve exited: {tail[0] if tail else proc.returncode}"}
                 time.sleep(_POLL_S)
             return {"serve_start_error": f"no ready /health within {SERVE_START_TIMEOUT_S:.0f}s"}
         finally:

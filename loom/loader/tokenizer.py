@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import lru_cache
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -411,11 +412,14 @@ def _cached_merges(f: GGUFFile, spelled: list[str], scores: np.ndarray, layout: 
     this code; an unreadable or inconsistent file is recomputed (and a failed write ignored)."""
     key = source_digest(__file__) + layout + loom_version()
     name = f"{file_sha256(f.path)[:24]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.merges.npy"
-    path = cache_root() / "tokenizers" / name
+    path, n = cache_root() / "tokenizers" / name, len(spelled)
     try:
         pairs = np.load(path, allow_pickle=False)
-        if pairs.ndim == 2 and pairs.shape[1] == 2 and (pairs.size == 0 or 0 <= pairs.min() <= pairs.max() < len(spelled)):
-            return [(spelled[a], spelled[b]) for a, b in pairs.tolist()]
+        if pairs.ndim == 2 and pairs.shape[1] == 2 and (not pairs.size or 0 <= pairs.min() <= pairs.max() < n):
+            left, right = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+            if len(left) < 2:
+                return [(spelled[a], spelled[b]) for a, b in zip(left, right)]
+            return list(zip(itemgetter(*left)(spelled), itemgetter(*right)(spelled)))   # C loops: 515k pairs
     except (OSError, ValueError, EOFError):
         pass
     merges = merges_by_score(spelled, scores)

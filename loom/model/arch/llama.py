@@ -88,6 +88,7 @@ class LlamaForCausalLM:
         cfg, kern, eps = self.cfg, self.kern, self.cfg.rms_norm_eps
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids]                                          # [T, D]
+        self.rope.ensure(int(positions.max()) + 1 if positions.numel() else 0)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
