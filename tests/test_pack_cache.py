@@ -130,7 +130,7 @@ def test_corrupt_index_is_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplo
         b[100] ^= 0x20
         p.write_bytes(bytes(b))
     line = _damaged(cache_dir, tiny_llama_path, monkeypatch, caplog, flip_index_byte)
-    assert "corrupt index (checksum mismatch)" in line
+    assert "is corrupt (index checksum mismatch)" in line
 
 
 def test_bad_magic_is_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplog):
@@ -144,7 +144,7 @@ def test_corrupt_data_is_rebuilt(cache_dir, tiny_gemma3_path, monkeypatch, caplo
         b[start:start + 64] = bytes(64)
         p.write_bytes(bytes(b))
     line = _damaged(cache_dir, tiny_gemma3_path, monkeypatch, caplog, zero_first_entry)
-    assert "corrupt data" in line and "fails its checksum" in line
+    assert "is corrupt (entry" in line and "fails its data checksum" in line
 
 
 def test_unwritable_cache_directory_runs_without_it_and_says_so_once(cache_dir, tiny_llama_path, caplog):
@@ -226,3 +226,21 @@ def test_embedding_rows_equal_the_dequantized_table(tmp_path, qtype):
     out = emb[ids]
     assert out.shape == (2, 3, 256) and out.dtype == torch.float32
     np.testing.assert_array_equal(out.numpy(), ref[ids.numpy()])
+
+
+# -- the tokenizer's derived merges ------------------------------------------------------------------------
+
+
+def test_derived_merges_are_cached_and_a_bad_file_is_derived_again(cache_dir, tiny_gemma3_path):
+    from loom.loader.tokenizer import Tokenizer
+
+    f = GGUFFile.open(tiny_gemma3_path)
+    cold = Tokenizer.from_gguf(f)
+    [path] = (cache_dir / "tokenizers").glob("*.merges.npy")
+    assert np.load(path).shape[1] == 2
+    warm = Tokenizer.from_gguf(f)
+    assert warm._backend.to_str() == cold._backend.to_str()
+    path.write_bytes(b"not an array")
+    again = Tokenizer.from_gguf(f)
+    assert again._backend.to_str() == cold._backend.to_str()
+    assert np.load(path).shape[1] == 2, "the bad file is replaced"

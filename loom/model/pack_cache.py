@@ -90,7 +90,7 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
             raise BadCacheFile(f"truncated or overlong ({size} bytes, the header promises {data_start + data_len})")
         index_bytes = fh.read(index_len)
     if hashlib.sha256(index_bytes).digest() != digest:
-        raise BadCacheFile("corrupt index (checksum mismatch)")
+        raise BadCacheFile("corrupt (index checksum mismatch)")
     index = json.loads(index_bytes)
     if index.get("key") != key:
         was = index.get("key") or {}
@@ -101,13 +101,13 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
     for name, e in index["entries"].items():
         off, nbytes = int(e["offset"]), int(e["nbytes"])
         if off < 0 or nbytes <= 0 or off + nbytes > data_len:
-            raise BadCacheFile(f"corrupt index (entry '{name}' out of bounds)")
+            raise BadCacheFile(f"corrupt (entry '{name}' out of bounds)")
         buf = data[off:off + nbytes]
         if _sample_crc(buf) != e["crc"]:
-            raise BadCacheFile(f"corrupt data (entry '{name}' fails its checksum)")
+            raise BadCacheFile(f"corrupt (entry '{name}' fails its data checksum)")
         shape = tuple(int(d) for d in e["shape"])
         if int(np.prod(shape)) != nbytes:
-            raise BadCacheFile(f"corrupt index (entry '{name}' has shape {shape} for {nbytes} bytes)")
+            raise BadCacheFile(f"corrupt (entry '{name}' has shape {shape} for {nbytes} bytes)")
         out[name] = PackedCodes(torch.from_numpy(buf).view(shape), int(e["n"]), int(e["k"]), int(e["bits"]),
                                 bool(e["scales16"]))
     return out
