@@ -9,7 +9,8 @@ One file per GGUF file (by content) and kernel variant, ``$LOOM_CACHE/packed/<sh
     data: each entry's packed uint8 stream at a 64-byte aligned offset
 
 The key names everything the bytes depend on: the GGUF file's sha256, the kernel variant, loom's
-version, the packing format and a digest of the packing code. A file is used only when its magic,
+version, the file format (PACK_FORMAT, bumped when this module's layout changes) and a digest of
+the code that builds the packed forms (quant.py, weights.py). A file is used only when its magic,
 format, length, index checksum, key, entry bounds and each entry's sampled checksum (crc32 of its
 first and last 256 bytes) all check out; otherwise the problem is reported in one line and the
 file is rebuilt. (A full checksum of the data would cost a read of every byte on each load.)
@@ -45,7 +46,7 @@ PACK_FORMAT = 1
 MAGIC = b"LOOMPACK"
 _PREFIX = struct.Struct("<8sIIQQ32s")          # 64 bytes
 _DATA_ALIGN, _ENTRY_ALIGN, _SAMPLE = 4096, 64, 256
-_CODE = [Path(__file__).parent / n for n in ("quant.py", "weights.py", "pack_cache.py")]
+_CODE = [Path(__file__).parent / n for n in ("quant.py", "weights.py")]   # what the packed bytes depend on
 
 _reported: set[str] = set()   # one line per problem and directory per process
 
