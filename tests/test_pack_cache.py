@@ -66,6 +66,17 @@ def _count_packing(monkeypatch) -> list[int]:
     return calls
 
 
+def _mapped_from(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds tensor `t`'s data (Linux), or None for anonymous memory."""
+    addr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= addr < hi:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "loom" and r.levelno >= logging.WARNING]
 
@@ -81,6 +92,8 @@ def test_warm_load_maps_the_cache_and_packs_nothing(cache_dir, tiny_path, monkey
     assert packs[0] == 0
     for a, b in zip(_packed_weights(cold), _packed_weights(warm), strict=True):
         assert torch.equal(a, b)
+        # both hold the weights as pages of the cache file (the cold load maps what it wrote)
+        assert _mapped_from(a) == _mapped_from(b) == str(path)
     assert _warnings(caplog) == []
     # the sha256 of the file is remembered: the next load does not read the whole file again
     assert list((cache_dir / "identity").glob("*.json"))

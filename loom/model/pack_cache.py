@@ -177,6 +177,19 @@ class PackCache:
         except CacheWriteError as e:
             _say_once(f"packed-weight cache unavailable ({e.strerror}): loom runs without it and packs "
                       f"the weights at every load")
+            return
+        self._map_written()
+
+    def _map_written(self) -> None:
+        """Points the packed forms at the file just written: the process then holds the weights
+        as shared file pages, as after a warm load, and the packing's own copies are freed."""
+        try:
+            mapped = read_pack_file(self.path, self.key)
+        except (BadCacheFile, OSError, ValueError, KeyError, TypeError):
+            return   # keep the in-memory copies; the next load checks the file again
+        for name, p in self.entries.items():
+            if name in mapped and mapped[name].w.shape == p.w.shape:
+                p.w = mapped[name].w
 
     def close(self) -> None:
         self.bar.close()
