@@ -193,7 +193,8 @@ class Tokenizer:
         tokens = md.get("tokenizer.ggml.tokens")
         if not isinstance(kind, str):
             raise ModelLoadError(f.path, "metadata has no 'tokenizer.ggml.model' (no tokenizer in the file)")
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        # a GGUF array has one element type: the first element tells it
+        if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
             raise ModelLoadError(f.path, "metadata has no usable 'tokenizer.ggml.tokens'")
         n = len(tokens)
         types = _int_array(f, "tokenizer.ggml.token_type", n)
@@ -333,7 +334,7 @@ def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> tuple[_Backend, list[
     # Tokens are stored in the byte alphabet; one that is not (a mislabeled added token) is
     # respelled byte by byte, as transformers does, and stays an ordinary vocabulary entry.
     spelled = [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
+    vocab = dict(zip(spelled, range(len(spelled))))
     try:
         pairs = [tuple(m.split(" ")) for m in merges]
         model = BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
@@ -383,7 +384,7 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple
     unk_id = md.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if layout in ("gemma", "gemma4") and unk_id is not None and 0 <= int(unk_id) < n else None
     try:
-        model = BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, dropout=None, unk_token=unk,
+        model = BPE(vocab=dict(zip(spelled, range(n))), merges=merges, dropout=None, unk_token=unk,
                     fuse_unk=True, byte_fallback=True)
     except Exception as e:  # the Rust side rejects merges of unknown tokens, malformed pairs
         raise ModelLoadError(f.path, f"inconsistent SentencePiece merges: {e}") from None
@@ -423,7 +424,7 @@ def _cached_merges(f: GGUFFile, spelled: list[str], scores: np.ndarray, layout: 
     except (OSError, ValueError, EOFError):
         pass
     merges = merges_by_score(spelled, scores)
-    ids = {t: i for i, t in enumerate(spelled)}
+    ids = dict(zip(spelled, range(n)))
     pairs = np.array([(ids[a], ids[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
     try:
         atomic_write(path, lambda out: np.save(out, pairs, allow_pickle=False))
