@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import tempfile
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -43,6 +44,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom")).expanduser()
 
 
+@lru_cache(maxsize=1)
 def loom_version() -> str:
     try:
         return metadata.version("loom")
@@ -50,6 +52,7 @@ def loom_version() -> str:
         return "source"
 
 
+@lru_cache(maxsize=None)
 def source_digest(*files: str | os.PathLike) -> str:
     """A short digest of source files, so caches derived by code that changed are not reused
     even where the version number did not change (a development tree)."""
