@@ -255,14 +255,39 @@ def serve(
     engine_process: bool = typer.Option(True, "--engine-process/--no-engine-process",
                                         help="Run the engine in its own process (the HTTP front end in this "
                                              "one); --no-engine-process keeps it on a thread here."),
+    replicas: int | None = typer.Option(
+        None, "--replicas", help="Serve with N engine replicas on Ray Serve behind this endpoint (threads per "
+                                 "replica: --threads, default cores / N); see docs/cluster.md."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="With --replicas: join the Ray cluster at HOST:PORT (default: start a local "
+                                    "Ray for this command)."),
+    min_replicas: int | None = typer.Option(None, "--min-replicas", help="Ray Serve autoscaling: fewest replicas."),
+    max_replicas: int | None = typer.Option(None, "--max-replicas", help="Ray Serve autoscaling: most replicas."),
+    target_ongoing_requests: float | None = typer.Option(
+        None, "--target-ongoing-requests", help="Ray Serve autoscaling: requests in flight per replica to aim at."),
+    router: str = typer.Option("prefix-aware", "--router",
+                               help="With --replicas: prefix-aware (longest cached prompt prefix when loads are "
+                                    "balanced) or power-of-two (Ray Serve's default)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web playground at /."""
-    from loom.config import EngineConfig
+    from loom.config import EngineConfig, physical_cores
     from loom.server import run_server
 
     if log_level not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter(f"expected debug, info, warning or error, got {log_level!r}",
                                  param_hint="--log-level")
+    clustered = replicas is not None or ray_address is not None or \
+        (min_replicas, max_replicas, target_ongoing_requests) != (None, None, None)
+    cluster = None
+    if clustered:
+        from loom.cluster.config import ClusterConfig
+
+        count = replicas if replicas is not None else 1
+        threads = threads if threads is not None else max(1, physical_cores() // max(1, count))
+        cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
+                                max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
+                                router=router)
+        cluster.check_before_ray()
 
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
@@ -270,6 +295,13 @@ def serve(
                                  num_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=prefix_caching, seed=seed,
                                  speculative_config=_json_option(speculative_config, "--speculative-config"))
+    if cluster is not None:
+        from loom.cluster.launch import run_cluster
+
+        run_cluster(config, cluster, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                    max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
+                    access_log=access_log)
+        return
     run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
                access_log=access_log, engine_process=engine_process)
@@ -322,6 +354,84 @@ def generate(
                 stream.flush()
     stream.write("\n")
     stream.flush()
+
+
+@app.command(name="eval")
+def eval_(
+    model: str = typer.Argument(registry.DEFAULT_MODEL, help="Registry model name or path to a .gguf file."),
+    file: Path = typer.Option(..., "--file", "-f", help="Text file to score (UTF-8)."),
+    context: int = typer.Option(512, "--context", "-c", help="Tokens per window."),
+    stride: int | None = typer.Option(None, "--stride",
+                                      help="Tokens between window starts (default: half the context); each "
+                                           "token is scored once, with at least context - stride before it."),
+    chunks: int | None = typer.Option(None, "--chunks", help="Score only the first N windows."),
+    engine: str = typer.Option("loom", "--engine", help="Who computes: loom, or llama.cpp over the same tokens."),
+    dtype: str = typer.Option("auto", "--dtype", help="loom's dtype: auto, float32 or bfloat16."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="loom's KV cache: auto, float32, float16."),
+    kld: bool = typer.Option(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
+                                                  "agreement, probability shift."),
+    base: Path | None = typer.Option(None, "--base", help="Reference saved with --save-base (implies --kld; "
+                                                          "default reference: loom float32, computed alongside)."),
+    save_base: Path | None = typer.Option(None, "--save-base", help="Save this run's log-probabilities into "
+                                                                    "this directory, as a reference for later runs."),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the figures as JSON here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG histogram of per-token KLD here."),
+) -> None:
+    """Perplexity of a text file with sliding windows; with --kld, the KL divergence from a reference
+    run (as llama-perplexity --kl-divergence does)."""
+    from rich.progress import Progress
+
+    from loom import eval as ev
+    from loom.eval import report
+
+    text = _read_text(file)
+    tokenizer = ev.sources.tokenizer_for(model)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id if tokenizer.add_bos else None
+    windows = ev.Windows.build(ids, context, stride, bos, chunks)
+    if engine == "loom":
+        source = ev.open_source("loom", model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, threads=threads)
+    else:
+        source = ev.open_source(engine, model=model, context=context, threads=threads)
+    reference = None
+    if base is not None:
+        reference = ev.sources.BaseSource(base, windows)
+    elif kld:
+        reference = ev.open_source("loom", model=model, dtype="float32", threads=threads)
+    save = ev.sources.BaseWriter(save_base, windows, source.vocab_size, source.label) if save_base else None
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"{source.label}: {len(windows)} windows of {context}", total=len(windows))
+        result = ev.evaluate(windows, source, reference, save, progress=lambda k: bar.advance(task))
+    if save is not None:
+        save.close()
+    result.info.update(model=model, file=str(file), context=windows.context, stride=windows.stride,
+                       windows=len(windows), text_tokens=windows.text_tokens)
+    summary = report.summary(result)
+    table = Table(title=f"loom eval: {model}, {file.name}, context {windows.context}, stride {windows.stride}")
+    table.add_column("")
+    table.add_column(source.label, justify="right")
+    for name, value in report.table_rows(summary):
+        table.add_row(name, value)
+    out.print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary, indent=1))
+    if plot is not None:
+        if result.kld is None:
+            raise typer.BadParameter("a KLD histogram needs --kld or --base", param_hint="--plot")
+        report.plot_kld(result, plot)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LoomError(f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LoomError(f"cannot read {path}: {e}") from None
+    if not text.strip():
+        raise LoomError(f"{path} is empty")
+    return text
 
 
 def main() -> None:

@@ -121,16 +121,17 @@ class RealModels:
         self._loom: dict[str, tuple] = {}
         self._hf: dict[str, object] = {}
 
-    def loom(self, name: str):
-        """(model, tokenizer) as loom loads them (float32, the exact mode)."""
-        if name not in self._loom:
+    def loom(self, name: str, dtype: str = "float32"):
+        """(model, tokenizer) as loom loads them in `dtype` (default float32, the exact mode)."""
+        if (name, dtype) not in self._loom:
+            from loom.config import LoadConfig
             from loom.loader.gguf import GGUFFile
             from loom.loader.tokenizer import Tokenizer
             from loom.model.build import load_model
 
             f = GGUFFile.open(real_model_path(name))
-            self._loom[name] = (load_model(f), Tokenizer.from_gguf(f))
-        return self._loom[name]
+            self._loom[name, dtype] = (load_model(f, linear=LoadConfig(dtype=dtype).linear_mode), Tokenizer.from_gguf(f))
+        return self._loom[name, dtype]
 
     def hf(self, name: str):
         """The transformers model of the same file, float32, in eval mode."""
@@ -143,13 +144,14 @@ class RealModels:
             self._hf[name] = model.eval()
         return self._hf[name]
 
-    def engine(self, name: str, **options):
-        """A fresh Engine over the session's loom model (no second load of the weights)."""
+    def engine(self, name: str, dtype: str = "float32", **options):
+        """A fresh Engine over the session's loom model in `dtype` (no second load of the weights)."""
         from loom.config import EngineConfig
         from loom.engine.engine import Engine
 
-        model, tokenizer = self.loom(name)
-        return Engine(EngineConfig.create(str(real_model_path(name)), **options), model=model, tokenizer=tokenizer)
+        model, tokenizer = self.loom(name, dtype)
+        return Engine(EngineConfig.create(str(real_model_path(name)), dtype=dtype, **options), model=model,
+                      tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -775,18 +775,18 @@ class Workload:
         self.prompts = [prompts[i] for i in order]
         self.max_tokens = [max_tokens[i] for i in order]
         self.waves = [list(range(0, 24)), list(range(24, 44)), list(range(44, 64))]
-        self._alone: dict[int, list[int]] = {}
+        self._alone: dict[tuple[int, str], list[int]] = {}
 
     def params(self, i: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=self.max_tokens[i], ignore_eos=True)
 
-    def alone(self, i: int) -> list[int]:
-        if i not in self._alone:
-            engine = self.real_models.engine(SMOL, block_size=16, max_num_batched_tokens=2048, num_blocks=256)
+    def alone(self, i: int, dtype: str = "float32") -> list[int]:
+        if (i, dtype) not in self._alone:
+            engine = self.real_models.engine(SMOL, dtype, block_size=16, max_num_batched_tokens=2048, num_blocks=256)
             engine.add_request({"prompt_token_ids": self.prompts[i]}, self.params(i), request_id="alone")
             final, _ = drain(engine)
-            self._alone[i] = final["alone"].outputs[0].token_ids
-        return self._alone[i]
+            self._alone[i, dtype] = final["alone"].outputs[0].token_ids
+        return self._alone[i, dtype]
 
 
 @pytest.fixture(scope="module")
@@ -802,10 +802,16 @@ def test_workload_shape(workload):
     assert min(workload.max_tokens) == 1 and max(workload.max_tokens) == 48
 
 
+# Both modes: float32 (exact) and the default (loom's kernels: int8 activations, float16 KV cache),
+# where a difference in the last bit would be amplified by the activation quantization.
+MODES = ["float32", "auto"]
+
+
 @pytest.mark.real_model
+@pytest.mark.parametrize("dtype", MODES)
 @pytest.mark.parametrize("block_size, budget", [(8, 64), (16, 256), (32, 2048)])
-def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, block_size, budget):
-    engine = real_models.engine(SMOL, block_size=block_size, max_num_batched_tokens=budget,
+def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, block_size, budget, dtype):
+    engine = real_models.engine(SMOL, dtype, block_size=block_size, max_num_batched_tokens=budget,
                                 num_blocks=12288 // block_size)
     final = {}
     for wave in workload.waves:
@@ -817,32 +823,34 @@ def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, 
     more, _ = drain(engine, check=lambda e: e.kv.check_integrity())
     final.update(more)
     got = [final[str(i)].outputs[0].token_ids for i in range(64)]
-    differ = [i for i in range(64) if got[i] != workload.alone(i)]
-    print(f"\nblock_size={block_size}, budget={budget}: {64 - len(differ)}/64 identical to alone")
+    differ = [i for i in range(64) if got[i] != workload.alone(i, dtype)]
+    print(f"\n{dtype}, block_size={block_size}, budget={budget}: {64 - len(differ)}/64 identical to alone")
     assert not differ, f"requests {differ} differ from their outputs alone"
     assert all(len(g) == n for g, n in zip(got, workload.max_tokens))
     assert engine.kv.usage() == 0.0
 
 
 @pytest.mark.real_model
-def test_preemption_recomputes_to_the_same_outputs(real_models, workload):
+@pytest.mark.parametrize("dtype", MODES)
+def test_preemption_recomputes_to_the_same_outputs(real_models, workload, dtype):
     picks = [i for i in range(64) if 20 <= len(workload.prompts[i]) <= 90 and workload.max_tokens[i] >= 12][:8]
     assert len(picks) == 8
     bs = 16
     need = sorted(-(-(len(workload.prompts[i]) + workload.max_tokens[i]) // bs) for i in picks)
     num_blocks = sum(need[-3:])  # room for about three of the eight at full length
-    engine = real_models.engine(SMOL, block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=512)
+    engine = real_models.engine(SMOL, dtype, block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=512)
     for i in picks:
         engine.add_request({"prompt_token_ids": workload.prompts[i]}, workload.params(i), request_id=str(i))
     final, _ = drain(engine, check=lambda e: e.kv.check_integrity())
     assert engine.scheduler.stats.num_preemptions > 0
     for i in picks:
-        assert final[str(i)].outputs[0].token_ids == workload.alone(i), f"request {i}"
+        assert final[str(i)].outputs[0].token_ids == workload.alone(i, dtype), f"request {i}"
     assert engine.kv.num_free_blocks() == num_blocks and engine.kv.usage() == 0.0
 
 
 @pytest.mark.real_model
-def test_prefix_cache_serves_a_shared_system_prompt(real_models):
+@pytest.mark.parametrize("dtype", MODES)
+def test_prefix_cache_serves_a_shared_system_prompt(real_models, dtype):
     from conftest import spec_bench_questions
 
     _, tok = real_models.loom(SMOL)
@@ -861,9 +869,9 @@ def test_prefix_cache_serves_a_shared_system_prompt(real_models):
             final.update(drain(engine)[0])
         return final
 
-    cached_engine = real_models.engine(SMOL, block_size=16, num_blocks=256)
+    cached_engine = real_models.engine(SMOL, dtype, block_size=16, num_blocks=256)
     with_cache = run(cached_engine, [[0], [1, 2]])
-    plain_engine = real_models.engine(SMOL, block_size=16, num_blocks=256, enable_prefix_caching=False)
+    plain_engine = real_models.engine(SMOL, dtype, block_size=16, num_blocks=256, enable_prefix_caching=False)
     without = run(plain_engine, [[0, 1, 2]])
     shared = next(j for j, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
     assert shared > 400

@@ -102,9 +102,8 @@ def _quantized_acts(x: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(codes: QuantCodes, x: torch.Tensor) -> torch.Tensor:
-    # y = sum_g a d <q, xq> + b * sum(x): quantized activations for the code term, exact sums for b
-    b = codes.b.repeat_interleave(32, dim=1)
-    return _quantized_acts(x).double() @ (codes.dequantize() - b).double().T + x.double() @ b.double().T
+    # y = dequantized x @ dequantized W^T: the group sums of the b term are those of the quantized x
+    return _quantized_acts(x).double() @ codes.dequantize().double().T
 
 
 def _random_codes(n: int, k: int, bits: int, seed: int, fp16_scales: bool) -> QuantCodes:
@@ -218,7 +217,7 @@ def test_rope_store_and_decode_attention_match_torch(window, cache_dtype, D):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
     """Decodes, a causal chunk, a draft tree and a long prefill in one batch: the row kernel
-    (plus SDPA for the long one) computes what the torch path computes."""
+    computes what the torch path computes."""
     kern = kernels.load()
     g = torch.Generator().manual_seed(0)
     H, Hkv, D = 6, 2, 64
@@ -241,7 +240,8 @@ def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
     ref = paged_attention(q, k, v, kc, vc, AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots,
                                                                   masks), 0.125, window, stored=True)
     rows = meta.kernel_rows()
-    assert rows.rest == [4]                      # the 45-token chunk stays on SDPA
+    assert rows.rest == []                       # the 45-token chunk too: two groups of rows
+    assert rows.groups.numel() - 1 == len(shapes) + 1
     out = paged_attention(q, k, v, kc, vc, meta, 0.125, window, stored=True, kern=kern)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     # every sequence through rows: the kernel reads q straight from the batch
@@ -253,6 +253,38 @@ def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
     assert sub.kernel_rows().tokens is None and not sub.kernel_rows().rest
     out_sub = paged_attention(q[idx], k[idx], v[idx], kc, vc, sub, 0.125, window, stored=True, kern=kern)
     torch.testing.assert_close(out_sub, ref.view(T, -1)[idx], rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_attention_rows_are_bitwise_invariant(window, cache_dtype):
+    """A position's attention output has the same bits however it is batched: in one long
+    prefill chunk, in a chunk after a cached prefix, as a decode row, or as a node of a draft
+    chain being verified (so neither the prefix cache, nor chunking, nor speculation changes a
+    result)."""
+    kern = kernels.load()
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, D, C = 6, 2, 64, 70
+    kc = torch.randn(C + 8, Hkv, D, generator=g).to(cache_dtype)
+    vc = torch.randn(C + 8, Hkv, D, generator=g).to(cache_dtype)
+    slots = torch.randperm(C + 8, generator=g)[:C]
+    q = torch.randn(C, H * D, generator=g)
+
+    def attend(n: int, ctx: int, mask=None) -> torch.Tensor:   # the last n of the first ctx positions
+        meta = AttentionMetadata.build(slots[ctx - n:ctx], [n], [ctx], [slots[:ctx]], [mask] if mask is not None else None)
+        rows = meta.kernel_rows()
+        assert not rows.rest
+        return kern.attn_decode(q[ctx - n:ctx].contiguous(), kc, vc, rows.slots, rows.ctx, H, Hkv, 0.125,
+                                window or 0, rows.groups, rows.shared)
+
+    whole = attend(C, C)                                              # one prefill chunk
+    tail = torch.cat([attend(37, 37), attend(C - 37, C)])            # a cached prefix of 37, then the rest
+    decodes = torch.cat([attend(1, p + 1) for p in range(C)])        # one position at a time
+    chain = attend(9, C, tree_attention_mask(1, tuple(range(-1, 7))))  # committed token + 8 draft nodes
+    assert torch.equal(whole, tail)
+    assert torch.equal(whole, decodes)
+    assert torch.equal(whole[-9:], chain)
 
 
 @needs_kernels

@@ -28,7 +28,8 @@ LAYERS: list[set[str]] = [
     {"parallel"},
     {"llm"},
     {"server"},
-    {"bench"},
+    {"cluster"},                    # Ray Serve deployments around the server's app
+    {"bench", "eval"},
     {"cli"},
     {"__main__", "__init__"},       # `python -m loom`; the package's lazy public names
 ]

@@ -442,3 +442,22 @@ def test_servers_logged_no_tracebacks(server_pool) -> None:
     for server in server_pool.servers.values():
         assert server.process.poll() is None, f"server {server.name} died"
         assert not server.logged_tracebacks(), f"{server.name}:\n{server.logged_tracebacks()[0]}"
+
+
+def test_tokenizer_endpoints(tiny: LoomServer) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer uses them)."""
+    info = httpx.get(f"{tiny.url}/tokenizer_info").json()
+    assert info["eos_token"] and info["vocab_size"] > 0 and info["model_max_length"] > 0
+    r = httpx.post(f"{tiny.url}/tokenize", json={"prompt": "the cat sat", "add_special_tokens": False,
+                                                  "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) > 0
+    assert httpx.post(f"{tiny.url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "the cat sat"}
+    chat = httpx.post(f"{tiny.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > r["count"] - 3
+    for body, param in [({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+                        ({}, "prompt"), ({"prompt": "a", "model": "other"}, "model"),
+                        ({"prompt": "a", "bogus": 1}, "bogus")]:
+        resp = httpx.post(f"{tiny.url}/tokenize", json=body)
+        assert resp.status_code in (400, 404) and param in resp.text, body
+    bad = httpx.post(f"{tiny.url}/detokenize", json={"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and "vocabulary" in bad.text

@@ -292,7 +292,8 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def category_prompts(real_models):
-    """One Spec-Bench prompt per category, cut to PROMPT_TOKENS, and its plain greedy output."""
+    """f(dtype): one Spec-Bench prompt per category, cut to PROMPT_TOKENS, and its plain greedy
+    output in that mode (computed once per mode)."""
     from conftest import spec_bench_questions
 
     _, tok = real_models.loom(SMOL)
@@ -300,9 +301,15 @@ def category_prompts(real_models):
     for q in spec_bench_questions():
         seen.setdefault(q["category"], tok.encode(q["turns"][0])[:PROMPT_TOKENS])
     prompts = list(seen.values())
-    engine = real_models.engine(SMOL, block_size=16, num_blocks=256, max_num_batched_tokens=2048)
-    want = [o.token_ids for o in run(engine, prompts, greedy())]
-    return prompts, want
+    wants = {}
+
+    def get(dtype: str):
+        if dtype not in wants:
+            engine = real_models.engine(SMOL, dtype, block_size=16, num_blocks=256, max_num_batched_tokens=2048)
+            wants[dtype] = [o.token_ids for o in run(engine, prompts, greedy())]
+        return prompts, wants[dtype]
+
+    return get
 
 
 def greedy() -> SamplingParams:
@@ -310,21 +317,22 @@ def greedy() -> SamplingParams:
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, category_prompts, method):
-    prompts, want = category_prompts
+def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, category_prompts, method, dtype):
+    prompts, want = category_prompts(dtype)
     assert len(prompts) >= 13
     spec = method_config(method, num_speculative_tokens=3)
     if method == "draft_model":
         spec["num_layers"] = 4
-    batched = real_models.engine(SMOL, block_size=16, num_blocks=256, max_num_batched_tokens=2048,
+    batched = real_models.engine(SMOL, dtype, block_size=16, num_blocks=256, max_num_batched_tokens=2048,
                                  speculative_config=spec)
     got = [o.token_ids for o in run(batched, prompts, greedy(), check=True)]
     assert got == want
     stats = batched.runner.spec.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     for i in (0,):   # alone
-        alone = real_models.engine(SMOL, block_size=16, num_blocks=64, speculative_config=spec)
+        alone = real_models.engine(SMOL, dtype, block_size=16, num_blocks=64, speculative_config=spec)
         assert run(alone, [prompts[i]], greedy())[0].token_ids == want[i]
         assert alone.runner.spec.stats.num_draft_tokens > 0
 

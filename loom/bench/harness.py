@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from loom.bench.peers import PeerSpec, missing_modules, not_installed
 from loom.bench.prompts import SPEC_BENCH_PATH, build_workload
 from loom.bench.report import compute_ratios
+from loom.bench.serve_start import measure_serve_start
 from loom.bench.settings import BenchSettings, Workload
 from loom.bench.worker import make_job, plan_steps
 
@@ -132,6 +133,10 @@ def run_bench(request: BenchRequest, console: Console | None = None) -> dict[str
             else:
                 engines[spec.label] = _run_worker(spec, job_path, steps, request.threads, progress, task)
             entry = engines[spec.label]
+            if spec.is_loom and entry["status"] == "ok":
+                progress.update(task, description=f"[bold]{spec.label}[/bold]: serve start")
+                entry.update(measure_serve_start(model_path, request.threads, _worker_env(request.threads),
+                                                 spec.options.get("dtype")))
             if entry["status"] == "ok":
                 progress.console.print(f"[green]✓[/green] {spec.label}: done in {entry['elapsed_seconds']:.1f}s")
             else:

@@ -42,8 +42,11 @@ def _path(*keys: str) -> Callable[[dict[str, Any]], float | None]:
 def metrics(settings: dict[str, Any]) -> list[Metric]:
     """Every metric of a report made with `settings`, in table order."""
     out = [
+        Metric("import_seconds", "library import", "s", False, "engine", _path("import_seconds"), 2),
         Metric("load_seconds", "load time", "s", False, "engine", _path("load_seconds"), 2),
         Metric("peak_rss_mb", "peak RSS", "MB", False, "engine", _path("peak_rss_mb"), 0),
+        Metric("serve_start_seconds", "serve start to ready /health", "s", False, "engine",
+               _path("serve_start_seconds"), 2),
         Metric("decode_tok_s", "decode, 1 stream", "tok/s", True, "single stream", _path("decode", "tok_s")),
         Metric("prefill_tok_s", f"prefill, {settings['prefill_tokens']}-token prompt", "tok/s", True,
                "single stream", _path("prefill", "tok_s")),
@@ -157,7 +160,10 @@ def notes(report: dict[str, Any]) -> list[str]:
              f"first token of a {s['prefill_tokens']}-token prompt, median of {s['prefill_repeats']}",
              f"concurrency N: N requests submitted at once, {s['max_tokens']} new tokens each; throughput = all "
              f"output tokens / wall time; TTFT = time to first token, TPOT = time per output token after the first",
-             "all engines decode greedily past EOS from the same token ids"]
+             "all engines decode greedily past EOS from the same token ids",
+             "load time: the engine's model load in its worker, after its libraries are imported; peak RSS: "
+             "the worker's high-water mark over load and every suite; serve start: `loom serve` from "
+             "process launch (imports included) to the first ready /health"]
     if "parallel" in s.get("suites", ()):
         lines.append(f"parallel sampling: one {s['parallel_prompt_tokens']}-token prompt, n sampled completions of "
                      f"{s['parallel_max_tokens']} tokens; fork = one request with n (prompt prefilled once, blocks "
@@ -171,6 +177,8 @@ def notes(report: dict[str, Any]) -> list[str]:
     for label, entry in report["engines"].items():
         if entry["status"] == "ok":
             lines += [f"{label}: {n}" for n in entry.get("notes", [])]
+            if entry.get("serve_start_error"):
+                lines.append(f"{label}: serve start not measured ({entry['serve_start_error']})")
         else:
             hint = f"; {entry['hint']}" if entry.get("hint") else ""
             lines.append(f"{label}: {entry['status']} ({entry['reason']}{hint})")

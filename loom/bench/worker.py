@@ -87,7 +87,9 @@ def run(label: str, job: dict[str, Any], channel: _Channel) -> int:
     settings = BenchSettings.from_json(job["settings"])
     workload = Workload.from_json(job["workload"])
     threads = int(job["threads"])
+    start = time.perf_counter()
     peer = create_peer(spec.kind, Path(job["model_path"]), threads, workload.capacity(settings), spec.options)
+    import_seconds = time.perf_counter() - start   # the engine's package (torch, llama_cpp, ...)
 
     with channel.step(LOAD_STEP):
         start = time.perf_counter()
@@ -98,7 +100,7 @@ def run(label: str, job: dict[str, Any], channel: _Channel) -> int:
 
     ctx = SuiteContext(peer=peer, workload=workload, settings=settings, step=channel.step)
     result: dict[str, Any] = {"status": "ok", "kind": spec.kind.name, "threads": threads,
-                              "load_seconds": load_seconds}
+                              "import_seconds": import_seconds, "load_seconds": load_seconds}
     for suite in select_suites(settings.suites):
         result[suite.name] = suite.run(ctx)
     result["peak_rss_mb"] = peak_rss_bytes() / 2**20

@@ -33,6 +33,15 @@ DEFAULT_KV_SHARE = 0.25            # of available RAM, when kv_cache_memory is n
 DEFAULT_KV_CAP = 4 << 30           # ... but no more than this
 
 
+def kv_cache_torch_dtype(choice: str, model) -> torch.dtype:
+    """The KV cache's element type for CacheConfig.kv_cache_dtype `choice`: "auto" is float16
+    where loom's kernels read the cache (half the memory traffic of attention), float32 in the
+    exact mode, which must match the reference bit for bit."""
+    if choice == "auto":
+        return torch.float16 if getattr(model, "kern", None) is not None else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16}[choice]
+
+
 class Engine:
     """`model` and `tokenizer`, when given, must come from the file `config.load.model` names
     (the model loaded with `config.load.linear_mode`); they are used instead of loading it again,
@@ -71,12 +80,7 @@ class Engine:
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
 
     def _kv_dtype(self) -> torch.dtype:
-        """float16 where loom's kernels read the cache (half the memory traffic of attention);
-        float32 in the exact mode, which must match the reference bit for bit."""
-        choice = self.config.cache.kv_cache_dtype
-        if choice == "auto":
-            return torch.float16 if getattr(self.model, "kern", None) is not None else torch.float32
-        return {"float32": torch.float32, "float16": torch.float16}[choice]
+        return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.model)
 
     def _speculative_decoder(self, num_blocks: int) -> SpecDecoder | None:
         spec = self.config.speculative

@@ -29,6 +29,7 @@ CPU it was not compiled for. `python -m loom.kernels` builds it ahead of time (`
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import threading
 from pathlib import Path
@@ -101,12 +102,29 @@ def _build_dir(variant: str) -> Path:
     return root / "kernels" / key
 
 
+def _import_built(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build(variant: str, verbose: bool = False):
-    """Compiles (or finds in the cache) and imports one variant's module; raises on failure."""
-    from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
+    """Compiles (or finds in the cache) and imports one variant's module; raises on failure.
+
+    The build directory is keyed by the source's content, so a module already built there is
+    imported directly (no compiler toolchain, no ninja run), unless a build holds its lock."""
     d = _build_dir(variant)
+    name = f"loom_kernels_{variant}"
+    built = d / f"{name}.so"
+    if built.is_file() and not (d / "lock").exists():
+        try:
+            return _import_built(name, built)
+        except ImportError:
+            pass   # an unusable file: build it again
+    from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
     d.mkdir(parents=True, exist_ok=True)
-    return cpp_load(name=f"loom_kernels_{variant}", sources=[str(VARIANTS[variant][0])], build_directory=str(d),
+    return cpp_load(name=name, sources=[str(VARIANTS[variant][0])], build_directory=str(d),
                     extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
 
 

@@ -26,7 +26,9 @@ UTF-8 character.
 
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,6 +38,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from loom.errors import ModelLoadError, TokenizerError
+from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
 from loom.loader.chat_template import ChatTemplate
 from loom.loader.gguf import GGUFFile
 
@@ -190,7 +193,8 @@ class Tokenizer:
         tokens = md.get("tokenizer.ggml.tokens")
         if not isinstance(kind, str):
             raise ModelLoadError(f.path, "metadata has no 'tokenizer.ggml.model' (no tokenizer in the file)")
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        # a GGUF array has one element type: the first element tells it
+        if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
             raise ModelLoadError(f.path, "metadata has no usable 'tokenizer.ggml.tokens'")
         n = len(tokens)
         types = _int_array(f, "tokenizer.ggml.token_type", n)
@@ -330,7 +334,7 @@ def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> tuple[_Backend, list[
     # Tokens are stored in the byte alphabet; one that is not (a mislabeled added token) is
     # respelled byte by byte, as transformers does, and stays an ordinary vocabulary entry.
     spelled = [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
-    vocab = {t: i for i, t in enumerate(spelled)}
+    vocab = dict(zip(spelled, range(len(spelled))))
     try:
         pairs = [tuple(m.split(" ")) for m in merges]
         model = BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
@@ -370,17 +374,17 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple
         merges = [tuple(m.split(" ")) for m in file_merges]
     elif layout == "gemma":
         # Gemma's scores do not follow its merge order; the order of tokens in the file does.
-        merges = merges_by_score(spelled, -np.arange(n, dtype=np.float64))
+        merges = _cached_merges(f, spelled, -np.arange(n, dtype=np.float64), layout)
     else:
         scores = md.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != n:
             raise ModelLoadError(f.path, "SentencePiece vocabulary with neither merges nor one "
                                          "'tokenizer.ggml.scores' entry per token")
-        merges = merges_by_score(spelled, np.asarray(scores, dtype=np.float64))
+        merges = _cached_merges(f, spelled, np.asarray(scores, dtype=np.float64), layout)
     unk_id = md.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if layout in ("gemma", "gemma4") and unk_id is not None and 0 <= int(unk_id) < n else None
     try:
-        model = BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, dropout=None, unk_token=unk,
+        model = BPE(vocab=dict(zip(spelled, range(n))), merges=merges, dropout=None, unk_token=unk,
                     fuse_unk=True, byte_fallback=True)
     except Exception as e:  # the Rust side rejects merges of unknown tokens, malformed pairs
         raise ModelLoadError(f.path, f"inconsistent SentencePiece merges: {e}") from None
@@ -401,6 +405,32 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple
                                                          split=False)
     backend.decoder = decoders.Sequence([*pieces_to_text, decoders.Strip(content=" ", left=1, right=0)])
     return backend, spelled
+
+
+def _cached_merges(f: GGUFFile, spelled: list[str], scores: np.ndarray, layout: str) -> list[tuple[str, str]]:
+    """`merges_by_score`, kept in the cache as token id pairs: deriving them takes seconds for a
+    262k vocabulary, reading them back milliseconds. Keyed by the file's content, the layout and
+    this code; an unreadable or inconsistent file is recomputed (and a failed write ignored)."""
+    key = source_digest(__file__) + layout + loom_version()
+    name = f"{file_sha256(f.path)[:24]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.merges.npy"
+    path, n = cache_root() / "tokenizers" / name, len(spelled)
+    try:
+        pairs = np.load(path, allow_pickle=False)
+        if pairs.ndim == 2 and pairs.shape[1] == 2 and (not pairs.size or 0 <= pairs.min() <= pairs.max() < n):
+            left, right = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+            if len(left) < 2:
+                return [(spelled[a], spelled[b]) for a, b in zip(left, right)]
+            return list(zip(itemgetter(*left)(spelled), itemgetter(*right)(spelled)))   # C loops: 515k pairs
+    except (OSError, ValueError, EOFError):
+        pass
+    merges = merges_by_score(spelled, scores)
+    ids = dict(zip(spelled, range(n)))
+    pairs = np.array([(ids[a], ids[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2)
+    try:
+        atomic_write(path, lambda out: np.save(out, pairs, allow_pickle=False))
+    except CacheWriteError:
+        pass   # derived again at the next load
+    return merges
 
 
 def _register_added_tokens(backend: _Backend, tokens: list[str], spelled: list[str], types: np.ndarray,

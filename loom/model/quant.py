@@ -115,7 +115,7 @@ def exact_codes(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> QuantCode
     elif qtype == QT.Q8_0:
         b = raw.reshape(n, k // 32, 34)
         d = _f16(b[..., :2])
-        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        q = b[..., 2:] ^ np.uint8(0x80)                                   # s + 128 for s in -128..127
         a, off, bits = d, -128 * d, 8
     else:
         return None
@@ -136,23 +136,42 @@ class PackedCodes:
     scales16: bool
 
 
-def pack_codes(c: QuantCodes) -> PackedCodes:
+def pack_codes(c: QuantCodes, chunk_blocks: int = 512) -> PackedCodes:
+    """The kernel layout of `c`, built `chunk_blocks` row blocks at a time into one output (a
+    262k-row matrix never has a second full-size copy in flight)."""
     n, k = c.q.shape
     g = k // GROUP
+    nb = -(-n // ROWS)
+    scales16 = all(torch.equal(t.half().float(), t) for t in (c.a, c.b))
+    dt = torch.float16 if scales16 else torch.float32
+    code_bytes = ROWS * GROUP * c.bits // 8
+    w = torch.empty(nb, g, code_bytes + 2 * ROWS * dt.itemsize, dtype=torch.uint8)
+    for b0 in range(0, nb, chunk_blocks):
+        b1 = min(b0 + chunk_blocks, nb)
+        rows = slice(b0 * ROWS, b1 * ROWS)
+        _pack_blocks(w[b0:b1], c.q[rows], c.a[rows], c.b[rows], c.bits, code_bytes)
+    return PackedCodes(w, n, k, c.bits, scales16)
+
+
+def _pack_blocks(out: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int,
+                 code_bytes: int) -> None:
+    """Rows of whole 16-row blocks (the last one zero-padded) into `out` [blocks, groups, bytes]."""
+    n, k = q.shape
+    g = k // GROUP
     pad = (-n) % ROWS
-    q, a, b = c.q, c.a, c.b
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         a, b = torch.cat([a, a.new_zeros(pad, g)]), torch.cat([b, b.new_zeros(pad, g)])
     nb = q.shape[0] // ROWS
-    if c.bits == 4:
+    if bits == 4:
         # k within a group = 8 c + 4 h + j: byte (c, row, j) = code(8c + j) | code(8c + 4 + j) << 4
         v = q.view(nb, ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)      # nb, g, c, row, j, h
-        codes = v[..., 0] | (v[..., 1] << 4)
-    else:
-        codes = q.view(nb, ROWS, g, 8, 4).permute(0, 2, 3, 1, 4)        # nb, g, c, row, j
-    scales16 = all(torch.equal(t.half().float(), t) for t in (a, b))
-    dt = torch.float16 if scales16 else torch.float32
-    per_block = lambda t: t.view(nb, ROWS, g).permute(0, 2, 1).to(dt).contiguous().view(torch.uint8)  # noqa: E731
-    w = torch.cat([codes.reshape(nb, g, -1), per_block(a), per_block(b)], dim=-1)
-    return PackedCodes(w.contiguous(), n, k, c.bits, scales16)
+        out[..., :code_bytes].view(nb, g, 4, ROWS, 4).copy_(v[..., 0] | (v[..., 1] << 4))
+    else:   # bytes (c, row, j) = code(4c + j) of the row: 4-byte runs, moved as int32
+        runs = q.contiguous().view(torch.int32).view(nb, ROWS, g, 8).permute(0, 2, 3, 1)   # nb, g, c, row
+        out[..., :code_bytes].view(torch.int32).view(nb, g, 8, ROWS).copy_(runs)
+    dt_bytes = (out.shape[-1] - code_bytes) // (2 * ROWS)
+    dt = torch.float16 if dt_bytes == 2 else torch.float32
+    for i, t in enumerate((a, b)):
+        start = code_bytes + i * ROWS * dt_bytes
+        out[..., start:start + ROWS * dt_bytes].view(dt).copy_(t.view(nb, ROWS, g).permute(0, 2, 1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -261,3 +262,25 @@ def score(model, token_ids) -> torch.Tensor:
     meta = AttentionMetadata.build(slots, [T], [T], [slots])
     hidden = model.forward(ids, torch.arange(T), meta, KVCacheTensors(model.cfg, T, model.dtype).layers)
     return model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def score_slices(model, token_ids, first: int = 0, kv_dtype: torch.dtype | None = None, chunk: int = 512,
+                 rows: int = PROMPT_LOGPROB_ROWS) -> Iterator[torch.Tensor]:
+    """Log-probabilities [r, V] (float32) of the next token at positions first .. T-2 of one
+    sequence, `rows` positions at a time, in order. The sequence runs in prefill chunks of
+    `chunk` tokens over a private KV cache of `kv_dtype` (the model's by default), as the engine
+    runs a prompt; memory stays bounded by one chunk's hidden states and one slice of logits."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    T = ids.shape[0]
+    if T < 2 or not 0 <= first < T - 1:
+        raise ValueError(f"score_slices needs at least two tokens and 0 <= first < {T - 1}, got {T} tokens, first={first}")
+    kv = KVCacheTensors(model.cfg, T, kv_dtype or model.dtype).layers
+    slots = torch.arange(T)
+    for a in range(0, T - 1, chunk):
+        b = min(T, a + chunk)
+        meta = AttentionMetadata.build(slots[a:b], [b - a], [b], [slots[:b]])
+        hidden = model.forward(ids[a:b], slots[a:b], meta, kv)                       # [b - a, D]
+        for r0 in range(max(a, first), min(b, T - 1), rows):
+            r1 = min(b, T - 1, r0 + rows)
+            yield model.compute_logits(hidden[r0 - a:r1 - a]).float().log_softmax(dim=-1)   # [r1 - r0, V]

@@ -53,6 +53,11 @@ from loom.server.limits import BodySizeLimit
 from loom.server.logprobs import chat_logprobs, completion_logprobs, finite
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -528,6 +533,39 @@ class OpenAIServing:
         return event({"error": {"message": message, "type": kind, "param": None, "code": None}})
 
     # -- models and stats ------------------------------------------------------------------------
+    # -- tokenizer endpoints (vLLM's; lm-eval's remote tokenizer uses them) ------------------------
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        tok = self.ae.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            try:
+                ids = tok.encode_chat([_message_dict(m) for m in body.messages],
+                                      add_generation_prompt=body.add_generation_prompt)
+            except TokenizerError as e:
+                raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
+        strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.ae.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        bad = next((t for t in body.tokens if t >= self.ae.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0 .. {self.ae.vocab_size - 1})",
+                           param="tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=self.ae.tokenizer.decode(body.tokens))
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        tok = self.ae.tokenizer
+        name = lambda i: None if i is None else tok.id_to_token(i)   # noqa: E731
+        return TokenizerInfoResponse(tokenizer_class=f"loom.{type(tok).__name__}", vocab_size=self.ae.vocab_size,
+                                     model_max_length=self.ae.max_model_len, bos_token=name(tok.bos_token_id),
+                                     eos_token=name(tok.eos_token_id), pad_token=name(tok.pad_token_id),
+                                     add_bos_token=bool(tok.add_bos), chat_template=tok.chat_template)
+
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model, created=self.created, root=self.ae.model_name,
                          max_model_len=self.ae.max_model_len)
@@ -651,6 +689,7 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
         return Response(status_code=499)
 
     app.include_router(_v1_router(serving, api_key))
+    app.include_router(_tokenizer_router(serving, api_key))
     _add_service_routes(app, ae, metrics)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
@@ -692,6 +731,30 @@ def _v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
         return await serving.stats()
 
     return v1
+
+
+def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+    """vLLM's tokenizer routes at the root: /tokenize, /detokenize, /tokenizer_info."""
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    errors = {**_V1_ERRORS, **({401: _ERRORS} if api_key else {})}
+    router = APIRouter(dependencies=auth)
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=errors)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt, or of a conversation as the chat template renders it."""
+        return serving.tokenize(body)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids."""
+        return serving.detokenize(body)
+
+    @router.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=errors)
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        """Special tokens and the chat template, for clients that tokenize through the server."""
+        return serving.tokenizer_info()
+
+    return router
 
 
 def _add_service_routes(app: FastAPI, ae: EngineClient, metrics: ServerMetrics) -> None:

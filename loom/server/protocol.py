@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
 from loom.sampling_params import MAX_LOGPROBS
 
@@ -445,6 +445,46 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``POST /tokenize``: a prompt, or a conversation rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="prompt: add BOS/EOS as the model's flags say.")
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening.")
+    return_token_strs: bool = Field(False, description="Also return each token's text.")
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[NonNegativeInt]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class TokenizerInfoResponse(_Response):
+    """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does."""
+
+    tokenizer_class: str
+    vocab_size: int
+    model_max_length: int
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    add_bos_token: bool
+    chat_template: str | None
 
 
 class HealthResponse(_Response):

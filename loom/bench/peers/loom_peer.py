@@ -2,7 +2,9 @@
 
 Prefix caching is off (the prefill prompt and the concurrency prompts must be computed, not
 served from cache, as in the other engines) and the KV cache holds exactly the bench's capacity,
-so peak RSS is comparable with llama.cpp's context sized the same way.
+so peak RSS is comparable with llama.cpp's context sized the same way. The engine's modules
+(torch among them) are imported with this module, before the timed load, as the llama.cpp peer
+imports llama_cpp; `loom bench` times a whole `loom serve` start separately.
 """
 
 from __future__ import annotations
@@ -10,15 +12,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from loom.bench.peers.base import Peer, RunTiming, now, request_timing
+from loom.config import EngineConfig, LoadConfig, SchedulerConfig
+from loom.engine.engine import Engine
+from loom.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 
 
 class LoomPeer(Peer):
     def load(self) -> None:
-        from loom.config import EngineConfig, LoadConfig, SchedulerConfig
-        from loom.engine.engine import Engine
-
         dtype = self.options.get("dtype", LoadConfig().dtype)
         max_seqs = max(SchedulerConfig().max_num_seqs, self.capacity.max_seqs)
         config = EngineConfig.create(str(self.model_path), dtype=dtype, threads=self.threads,
@@ -31,8 +33,6 @@ class LoomPeer(Peer):
         self.notes.append(f"dtype {dtype}, prefix caching off, KV cache sized to the workload")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
-        from loom.sampling_params import SamplingParams
-
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine = self.engine
         start = now()

@@ -7,7 +7,10 @@
 //   W: per output row n and 32-wide group g, unsigned codes q (4 or 8 bits) with an affine
 //      map w = a[n,g] * q + b[n,g]. Exact for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 blocks.
 //   x: each row, after an optional fused pre-op (RMSNorm, SwiGLU, GeGLU), is quantized per
-//      32-group to int8: x ~ d[m,g] * xq, with the exact float group sum s[m,g] kept.
+//      32-group to int8: x ~ d[m,g] * xq, and s[m,g] = d[m,g] * sum(xq), the group sum of the
+//      quantized values: y is then the exact product of the dequantized W and x, whose rounding
+//      errors cancel around the weights' zero (an exact float sum would leave them weighted
+//      by the unsigned codes, 8 or 128 times a centred weight).
 //   y[m,n] = sum_g a[n,g] * d[m,g] * <q[n,g,:], xq[m,g,:]> + b[n,g] * s[m,g]
 //   The integer dot products are exact in both variants, and every row of x is computed the
 //   same way whatever M is, so results do not depend on batch composition.
@@ -80,7 +83,7 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
     const int32_t code_sum = V::store_s8(xq + g * GROUP, scaled);
     if constexpr (V::kCodeSums) xs[g] = code_sum;
     d[g] = dg;
-    s[g] = V::hsum(tree_sum<V, NG>(v));
+    s[g] = dg * (float)code_sum;   // the sum of what was quantized
   }
 }
 
@@ -244,10 +247,10 @@ void plan_item(const PagedAttn<C>& a, int64_t work, AttnItem& it) {
       it.out[r * G + g] = a.out + (it.r0 + r) * a.H * a.D + (it.kh * G + g) * a.D;
     }
   }
-  it.lo = lo;
-  it.Ls = it.P - lo;
+  it.lo = lo - lo % KB;   // key t always sits in lane t % W of the softmax sums, whatever the grouping
+  it.Ls = it.P - it.lo;
   it.stride = it.Ls + maxtail;
-  it.shared_slots = a.slots + it.r0 * a.lds + lo;
+  it.shared_slots = a.slots + it.r0 * a.lds + it.lo;
   it.mem.resize(KB * a.D + it.m * it.stride + 48);
   it.kv = (float*)(((uintptr_t)it.mem.data() + 63) & ~(uintptr_t)63);
   it.scores = it.kv + KB * a.D + 16;   // one line apart: its stores do not 4K-alias the kv rows' loads
@@ -294,26 +297,43 @@ void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
   for (int64_t l0 = 0; l0 < it.Ls; l0 += KB) {
     const int64_t mm = std::min<int64_t>(KB, it.Ls - l0);
     shared_to_float<V, NV>(a, it, a.kc, l0, mm, buf);
-    for (int64_t i = 0; i < it.m; ++i)
+    for (int64_t i = 0; i < it.m; ++i) {
+      if (a.ctx[it.r0 + i / (a.H / a.Hkv)] <= it.lo + l0) continue;   // keys past its row's context
       for (int64_t h = 0; h < mm; h += V::W) {
         const float* kb = buf + h * D;
         const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(it.q[i], kb, D, V::W)
                                                 : qk<V, NV, false>(it.q[i], kb, D, mm - h);
         V::store_n(it.scores + i * it.stride + l0 + h, V::mul(sc, sv), mm - h);
       }
+    }
   }
 }
 
-// QK, tail: query i's scores over its row's own keys past the shared part
+// QK, tail: each row's own keys past the shared part, KB at a time through the same dot product
+// as the shared keys, so a key's score has the same bits whether it is shared or a row's own
 template <class V, int NV, typename C>
-void tail_scores(const PagedAttn<C>& a, AttnItem& it, int64_t i) {
-  const int64_t r = i / (a.H / a.Hkv), row = it.r0 + r, L = a.ctx[row], D = head_dim<V, NV>(a);
-  float* pi = it.scores + i * it.stride;
-  for (int64_t t = std::max<int64_t>(it.P, it.first[r]); t < L; ++t) {
-    const C* kp = a.kc + (a.slots[row * a.lds + t] * a.Hkv + it.kh) * D;
-    typename V::F acc = V::zero();
-    for (int64_t j = 0; j < D; j += V::W) acc = V::fma(V::load(it.q[i] + j), V::load(kp + j), acc);
-    pi[it.Ls + t - it.P] = V::hsum(acc) * a.scale;
+void tail_scores(const PagedAttn<C>& a, AttnItem& it) {
+  const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
+  const typename V::F sv = V::set1(a.scale);
+  float* buf = it.kv;
+  for (int64_t r = 0; r < it.nr; ++r) {
+    const int64_t row = it.r0 + r, L = a.ctx[row];
+    for (int64_t t0 = std::max<int64_t>(it.P, it.first[r]); t0 < L; t0 += KB) {
+      const int64_t mm = std::min<int64_t>(KB, L - t0);
+      for (int64_t j = 0; j < mm; ++j) {
+        const C* src = a.kc + (a.slots[row * a.lds + t0 + j] * a.Hkv + it.kh) * D;
+        for (int64_t c = 0; c < D; c += V::W) V::store(buf + j * D + c, V::load(src + c));
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = r * G + g;
+        for (int64_t h = 0; h < mm; h += V::W) {
+          const float* kb = buf + h * D;
+          const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(it.q[i], kb, D, V::W)
+                                                  : qk<V, NV, false>(it.q[i], kb, D, mm - h);
+          V::store_n(it.scores + i * it.stride + it.Ls + t0 - it.P + h, V::mul(sc, sv), mm - h);
+        }
+      }
+    }
   }
 }
 
@@ -339,7 +359,8 @@ void softmax_row(float* p, int64_t n, int a0, int a1, int b0, int b1) {
 template <class V, typename C>
 void query_softmax(const PagedAttn<C>& a, AttnItem& it, int64_t i) {
   const int64_t r = i / (a.H / a.Hkv), L = a.ctx[it.r0 + r], f = it.first[r];
-  softmax_row<V>(it.scores + i * it.stride, it.stride, (int)(std::min(f, it.P) - it.lo), (int)it.Ls,
+  softmax_row<V>(it.scores + i * it.stride, it.stride, (int)(std::min(f, it.P) - it.lo),
+                 (int)(std::min(L, it.P) - it.lo),
                  (int)(it.Ls + std::max<int64_t>(0, f - it.P)), (int)(it.Ls + L - it.P));
 }
 
@@ -362,6 +383,15 @@ LOOM_INLINE void pv_tile(float* const* out, const float* p, int64_t stride, cons
     for (int j = 0; j < NJ; ++j) V::store(out[t] + V::W * (j0 + j), acc[t][j]);
 }
 
+// whether any of the queries i0 .. i0 + n - 1 has keys at or past key t
+template <typename C>
+inline bool reaches(const PagedAttn<C>& a, const AttnItem& it, int64_t i0, int64_t n, int64_t t) {
+  const int64_t G = a.H / a.Hkv;
+  for (int64_t i = i0; i < i0 + n; ++i)
+    if (a.ctx[it.r0 + i / G] > t) return true;
+  return false;
+}
+
 // PV, shared part: the shared keys' values, KB at a time, into every query's output; fixed
 // head sizes in register tiles of QT queries x NJ vectors (V::PV_ACC accumulators)
 template <class V, int NV, typename C>
@@ -377,13 +407,16 @@ void shared_values(const PagedAttn<C>& a, AttnItem& it) {
       static_assert(NV % NJ == 0, "fixed head sizes are whole value tiles");
       int64_t i0 = 0;
       for (; i0 + QT <= it.m; i0 += QT)
-        for (int64_t j0 = 0; j0 < NV; j0 += NJ)
-          pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
+        if (reaches(a, it, i0, QT, it.lo + l0))   // all-zero weights would add nothing
+          for (int64_t j0 = 0; j0 < NV; j0 += NJ)
+            pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
       for (; i0 < it.m; ++i0)
-        for (int64_t j0 = 0; j0 < NV; j0 += NJ)
-          pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
+        if (reaches(a, it, i0, 1, it.lo + l0))
+          for (int64_t j0 = 0; j0 < NV; j0 += NJ)
+            pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
     } else {
       for (int64_t i = 0; i < it.m; ++i) {
+        if (!reaches(a, it, i, 1, it.lo + l0)) continue;
         float* oh = it.out[i];
         for (int64_t r = 0; r < mm; ++r) {
           const typename V::F w = V::set1(p0[i * stride + r]);
@@ -425,8 +458,8 @@ void attn_impl(const PagedAttn<C>& a) {
     for (int64_t work = w0; work < w1; ++work) {
       plan_item(a, work, it);
       shared_scores<V, NV>(a, it);
+      tail_scores<V, NV>(a, it);
       for (int64_t i = 0; i < it.m; ++i) {
-        tail_scores<V, NV>(a, it, i);
         query_softmax<V>(a, it, i);
         std::fill(it.out[i], it.out[i] + head_dim<V, NV>(a), 0.0f);
       }

@@ -11,7 +11,7 @@
 //   reduce(v)      out[r] = sum of v[r]'s lanes, for W vectors at once
 //   in_ranges      lanes l + j inside [a0, a1) or [b0, b1)
 //   store_s8       GROUP scaled floats -> int8 (round to nearest even, saturate); returns
-//                  the sum of the int8 codes where the variant's dot products need it
+//                  the sum of the int8 codes (the GEMM's offset term uses it)
 #pragma once
 
 #include <torch/extension.h>
@@ -102,9 +102,10 @@ struct Vec512 {
   static F keep(Mask m, F v) { return _mm512_maskz_mov_ps(m, v); }   // v where m, else 0
 
   static int32_t store_s8(int8_t* dst, const F* v) {
-    _mm_storeu_si128((__m128i*)dst, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v[0])));
-    _mm_storeu_si128((__m128i*)(dst + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v[1])));
-    return 0;   // VPDPBUSD needs no code sums
+    const __m512i q0 = _mm512_cvtps_epi32(v[0]), q1 = _mm512_cvtps_epi32(v[1]);
+    _mm_storeu_si128((__m128i*)dst, _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(dst + 16), _mm512_cvtsepi32_epi8(q1));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));   // |q| <= 127: no saturation to account for
   }
 };
 #endif

@@ -74,7 +74,7 @@ class Gemma3ForCausalLM:
         self.norm = w.get("output_norm.weight", (D,))
         head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
         self.lm_head = make_linear(head, linear)
-        self.embed = embed.dense
+        self.embed = w.embedding("token_embd.weight", (cfg.vocab_size, D))   # rows gathered from the stored table
         self.embed_scale = torch.tensor(D ** 0.5, dtype=torch.float32)
         self.rope_global = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
@@ -109,6 +109,9 @@ class Gemma3ForCausalLM:
         cfg, kern, eps = self.cfg, self.kern, self.cfg.rms_norm_eps
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids] * self.embed_scale                       # [T, D]
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        self.rope_local.ensure(top)
+        self.rope_global.ensure(top)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             rope = self.rope_local if layer.sliding else self.rope_global
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]

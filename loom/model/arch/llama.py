@@ -59,7 +59,7 @@ class LlamaForCausalLM:
         embed = w.linear("token_embd.weight", (cfg.vocab_size, D))             # [V, D]
         head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
         self.lm_head = make_linear(head, linear)
-        self.embed = embed.dense
+        self.embed = w.embedding("token_embd.weight", (cfg.vocab_size, D))   # rows gathered from the stored table
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
@@ -88,6 +88,7 @@ class LlamaForCausalLM:
         cfg, kern, eps = self.cfg, self.kern, self.cfg.rms_norm_eps
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids]                                          # [T, D]
+        self.rope.ensure(int(positions.max()) + 1 if positions.numel() else 0)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,

@@ -16,8 +16,8 @@ trees); keys before the new tokens stay visible.
 Paths, chosen per sequence, that compute the same function:
   * decode: sequences with one new token are batched into one SDPA call over keys
     gathered into a padded [S, L, Hkv, D] tensor with a validity mask;
-  * rows (loom's kernels): every new token of a sequence with at most ROW_QUERY_MAX of
-    them (decodes, speculative chains and trees, short chunks) becomes one row of a
+  * rows (loom's kernels): every new token of a sequence (decodes, speculative chains,
+    prefill chunks of any length, trees up to 2 * ROW_QUERY_MAX nodes) becomes one row of a
     single kernel call that reads keys and values straight from their cache slots. A
     row's key list is the sequence's earlier context plus the new tokens it may see, in
     position order (for a tree node: its ancestors), so causality, tree masks and the
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-ROW_QUERY_MAX = 32   # sequences with at most this many new tokens go through the row kernel
+ROW_QUERY_MAX = 32   # rows per kernel group (a group converts its shared keys to float once)
 
 
 @dataclass
@@ -115,26 +115,34 @@ class KernelRows:
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "KernelRows":
+        """Every sequence without a tree mask becomes rows (a long chunk in groups of at most
+        ROW_QUERY_MAX rows, each sharing the keys up to its last row's context: no row has keys
+        of its own, and the kernel skips what a row cannot see); a tree verification becomes
+        rows while it is small, each row's own keys being its ancestors."""
         seqs, rest = [], []
         for s, n in enumerate(meta.query_lens):
-            limit = ROW_QUERY_MAX if meta.tree_masks[s] is None else 2 * ROW_QUERY_MAX   # trees: SDPA needs a mask
-            (seqs if n <= limit else rest).append(s)
+            (seqs if meta.tree_masks[s] is None or n <= 2 * ROW_QUERY_MAX else rest).append(s)
         if not seqs:
             return cls(None, torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), rest)
         rows = sum(meta.query_lens[s] for s in seqs)
-        slots = torch.zeros(rows, max(meta.context_lens[s] for s in seqs), dtype=torch.int64)
+        slots = torch.empty(rows, max(meta.context_lens[s] for s in seqs), dtype=torch.int64)
         ctx, tokens, starts, shared, r = [], [], [], [], 0
         for s in seqs:
             n, c, base = meta.query_lens[s], meta.context_lens[s], meta.kv_slots[s]
             p = c - n                          # context before the new tokens
-            starts.append(r)
-            shared.append(c if n == 1 else p)  # a decode row shares its whole context
-            slots[r:r + n, :c] = base          # causal: row j reads the first p + j + 1 slots
             mask = meta.tree_masks[s]
-            if mask is None:
+            if mask is None:                   # causal: row j reads the first p + j + 1 slots
+                for j in range(0, n, ROW_QUERY_MAX):
+                    last = min(n, j + ROW_QUERY_MAX)
+                    starts.append(r + j)
+                    shared.append(p + last)
+                    slots[r + j, :c] = base    # the kernel reads a group's shared slots from its first row
                 ctx.append(torch.arange(p + 1, c + 1))
-            else:                              # row j: its visible new tokens, in order
+            else:                              # row j: the context, then its visible new tokens in order
+                starts.append(r)
+                shared.append(p)
                 order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+                slots[r:r + n, :p] = base[:p]
                 slots[r:r + n, p:c] = base[p:][order]
                 ctx.append(p + mask.sum(dim=1))
             tokens.append(torch.arange(meta.query_starts[s], meta.query_starts[s] + n))

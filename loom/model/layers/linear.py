@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from loom import kernels
 from loom.kernels.cpu import has_native_bf16
-from loom.model.quant import GROUP, QuantCodes, pack_codes
+from loom.model.quant import GROUP, QuantCodes
 from loom.model.weights import LinearWeight
 
 # Rows (tokens) above which a dense GEMM beats torch's weight-only kernels (fallback path).
@@ -97,7 +97,7 @@ class QuantLinear:
         self.kern = kernels.load()
         if self.kern is None:
             raise RuntimeError(f"loom kernels unavailable: {kernels.unavailable_reason()}")
-        self.p = pack_codes(weight.codes())
+        self.p = weight.packed()
         self.out_features, self.in_features = self.p.n, self.p.k
 
     def __call__(self, x: torch.Tensor, pre: int = PRE_NONE, norm: torch.Tensor | None = None,
@@ -125,7 +125,7 @@ LINEAR_MODES: dict[str, Callable[[LinearWeight], LinearBackend]] = {
     "int4": lambda w: Int4Linear(w.int4) if w.int4 is not None else Int8Linear(w),
     "int8": Int8Linear,
     "quant": QuantLinear,
-    "auto": lambda w: QuantLinear(w) if kernels.available() and w.dense.shape[1] % GROUP == 0 else AdaptiveLinear(w),
+    "auto": lambda w: QuantLinear(w) if kernels.available() and w.shape[1] % GROUP == 0 else AdaptiveLinear(w),
 }
 
 

@@ -8,17 +8,33 @@ undoes that permutation, so every architecture uses this one form:
 
 import torch
 
+MIN_TABLE = 4096   # positions in the first table; it doubles as longer contexts arrive
+
 
 class RotaryEmbedding:
+    """`cos`/`sin` [P, Dh] hold positions 0..P-1. P starts small and grows (by doubling, up to
+    `max_positions`) through `ensure`: a 32k-context model does not pay for 32k rows of tables
+    (128 MB for Gemma 3's two) until a sequence gets that long. A row's values never depend on P."""
+
     def __init__(self, head_dim: int, base: float, max_positions: int):
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, Dh/2]
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.max_positions = max_positions
+        self.cos = self.sin = torch.empty(0, head_dim)
+        self.ensure(min(MIN_TABLE, max_positions))
+
+    def ensure(self, n: int) -> None:
+        """Tables cover positions below `n` (at most `max_positions`)."""
+        if n <= self.cos.shape[0]:
+            return
+        p = min(max(n, 2 * self.cos.shape[0], MIN_TABLE), self.max_positions)
+        freqs = torch.outer(torch.arange(p, dtype=torch.float32), self.inv_freq)        # [P, Dh/2]
         emb = torch.cat([freqs, freqs], dim=-1)                                          # [P, Dh]
         self.cos, self.sin = emb.cos(), emb.sin()
-        self.max_positions = max_positions
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `positions` [T], shaped [T, 1, Dh] to broadcast over heads."""
+        if positions.numel():
+            self.ensure(int(positions.max()) + 1)
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 

@@ -1,0 +1,238 @@
+"""The packed-weight cache: the kernels' layout of a model's projections, kept on disk and
+memory-mapped on the next load instead of being repacked from the GGUF file.
+
+One file per GGUF file (by content) and kernel variant, ``$LOOM_CACHE/packed/<sha256[:24]>-<variant>.pack``::
+
+    magic "LOOMPACK" | format u32 | reserved u32 | index bytes u64 | data bytes u64 | sha256(index) 32 B
+    index: UTF-8 JSON {"key": {...}, "entries": {name: {offset, nbytes, shape, n, k, bits, scales16, crc}}}
+    zero padding to a 4096-byte boundary
+    data: each entry's packed uint8 stream at a 64-byte aligned offset
+
+The key names everything the bytes depend on: the GGUF file's sha256, the kernel variant, loom's
+version, the file format (PACK_FORMAT, bumped when this module's layout changes) and a digest of
+the code that builds the packed forms (quant.py, weights.py). A file is used only when its magic,
+format, length, index checksum, key, entry bounds and each entry's sampled checksum (crc32 of its
+first and last 256 bytes) all check out; otherwise the problem is reported in one line and the
+file is rebuilt. (A full checksum of the data would cost a read of every byte on each load.)
+
+Files are written whole to a temporary name and renamed into place, so concurrent loaders never
+see a partial file. A directory that cannot be written (read-only, full) leaves loom running on
+freshly packed weights, saying so once. ``LOOM_PACK_CACHE=0`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
+from loom.loader.gguf import GGUFFile
+from loom.model.quant import PackedCodes
+
+log = logging.getLogger("loom")
+
+PACK_FORMAT = 1
+MAGIC = b"LOOMPACK"
+_PREFIX = struct.Struct("<8sIIQQ32s")          # 64 bytes
+_DATA_ALIGN, _ENTRY_ALIGN, _SAMPLE = 4096, 64, 256
+_CODE = [Path(__file__).parent / n for n in ("quant.py", "weights.py")]   # what the packed bytes depend on
+
+_reported: set[str] = set()   # one line per problem and directory per process
+
+
+class BadCacheFile(Exception):
+    """A cache file that must not be used (the message says why)."""
+
+
+def _say_once(message: str) -> None:
+    if message not in _reported:
+        _reported.add(message)
+        log.warning(message)
+
+
+def _sample_crc(buf: np.ndarray) -> int:
+    buf = buf.reshape(-1)
+    return zlib.crc32(buf[:_SAMPLE].tobytes() + buf[-_SAMPLE:].tobytes())
+
+
+def enabled() -> bool:
+    return os.environ.get("LOOM_PACK_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_key(f: GGUFFile, variant: str, on_hash: Callable[[int], None] | None = None) -> dict:
+    return {"gguf_sha256": file_sha256(f.path, on_hash), "variant": variant, "loom": loom_version(),
+            "format": PACK_FORMAT, "code": source_digest(*_CODE)}
+
+
+def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
+    """The entries of a valid cache file for `key`, memory-mapped; raises BadCacheFile."""
+    size = path.stat().st_size
+    if size < _PREFIX.size:
+        raise BadCacheFile(f"truncated ({size} bytes)")
+    with path.open("rb") as fh:
+        magic, fmt, _, index_len, data_len, digest = _PREFIX.unpack(fh.read(_PREFIX.size))
+        if magic != MAGIC:
+            raise BadCacheFile("not a loom packed-weight file (bad magic bytes)")
+        if fmt != PACK_FORMAT:
+            raise BadCacheFile(f"stale (packing format {fmt}, this loom writes {PACK_FORMAT})")
+        data_start = -(-(_PREFIX.size + index_len) // _DATA_ALIGN) * _DATA_ALIGN
+        if data_start + data_len != size:
+            raise BadCacheFile(f"truncated or overlong ({size} bytes, the header promises {data_start + data_len})")
+        index_bytes = fh.read(index_len)
+    if hashlib.sha256(index_bytes).digest() != digest:
+        raise BadCacheFile("corrupt (index checksum mismatch)")
+    index = json.loads(index_bytes)
+    if index.get("key") != key:
+        was = index.get("key") or {}
+        diff = ", ".join(f"{k} {was.get(k)!r} -> {v!r}" for k, v in key.items() if was.get(k) != v)
+        raise BadCacheFile(f"stale ({diff})")
+    data = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start, shape=(data_len,)) if data_len else None
+    out = {}
+    for name, e in index["entries"].items():
+        off, nbytes = int(e["offset"]), int(e["nbytes"])
+        if off < 0 or nbytes <= 0 or off + nbytes > data_len:
+            raise BadCacheFile(f"corrupt (entry '{name}' out of bounds)")
+        buf = data[off:off + nbytes]
+        if _sample_crc(buf) != e["crc"]:
+            raise BadCacheFile(f"corrupt (entry '{name}' fails its data checksum)")
+        shape = tuple(int(d) for d in e["shape"])
+        if int(np.prod(shape)) != nbytes:
+            raise BadCacheFile(f"corrupt (entry '{name}' has shape {shape} for {nbytes} bytes)")
+        out[name] = PackedCodes(torch.from_numpy(buf).view(shape), int(e["n"]), int(e["k"]), int(e["bits"]),
+                                bool(e["scales16"]))
+    return out
+
+
+def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -> None:
+    index, offset = {}, 0
+    for name, p in entries.items():
+        nbytes = p.w.numel()
+        index[name] = {"offset": offset, "nbytes": nbytes, "shape": list(p.w.shape), "n": p.n, "k": p.k,
+                       "bits": p.bits, "scales16": p.scales16, "crc": _sample_crc(p.w.numpy())}
+        offset += -(-nbytes // _ENTRY_ALIGN) * _ENTRY_ALIGN
+    index_bytes = json.dumps({"key": key, "entries": index}).encode()
+    data_start = -(-(_PREFIX.size + len(index_bytes)) // _DATA_ALIGN) * _DATA_ALIGN
+    out.write(_PREFIX.pack(MAGIC, PACK_FORMAT, 0, len(index_bytes), offset, hashlib.sha256(index_bytes).digest()))
+    out.write(index_bytes)
+    out.write(b"\0" * (data_start - _PREFIX.size - len(index_bytes)))
+    for name, p in entries.items():
+        out.write(memoryview(p.w.numpy().reshape(-1)))
+        out.write(b"\0" * (-p.w.numel() % _ENTRY_ALIGN))
+
+
+class PackCache:
+    """Packed forms of one GGUF file's projections for one kernel variant.
+
+    `get(name, pack)` returns the cached form or packs (and keeps) a new one; leaving the
+    `with` block writes the file when anything new was packed. A cold load shows a progress
+    bar of the matrices packed."""
+
+    def __init__(self, path: Path | None, key: dict | None, entries: dict[str, PackedCodes], bar: "_Bar"):
+        self.path, self.key, self.entries, self.bar = path, key, entries, bar
+        self.new: dict[str, PackedCodes] = {}
+
+    @classmethod
+    def open(cls, f: GGUFFile, variant: str) -> "PackCache":
+        bar = _Bar(sum(1 for t in f.tensors.values() if len(t.shape) == 2), f.path)
+        if not enabled():
+            return cls(None, None, {}, bar)
+        try:
+            key = cache_key(f, variant, bar.hashed)
+        finally:
+            bar.close()
+        path = cache_root() / "packed" / f"{key['gguf_sha256'][:24]}-{variant}.pack"
+        entries: dict[str, PackedCodes] = {}
+        try:
+            entries = read_pack_file(path, key)
+        except (FileNotFoundError, NotADirectoryError):
+            pass   # nothing cached yet (or no cache directory: saving says so)
+        except (BadCacheFile, OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("packed-weight cache %s is %s: rebuilding it", path, e)
+        return cls(path, key, entries, bar)
+
+    def get(self, name: str, pack: Callable[[], PackedCodes]) -> PackedCodes:
+        p = self.entries.get(name)
+        if p is None:
+            self.bar.packed(name.count("+") + 1)
+            p = self.entries[name] = self.new[name] = pack()
+        return p
+
+    def save(self) -> None:
+        """Writes every entry (cached and new) when anything new was packed."""
+        if not self.new or self.path is None:
+            return
+        try:
+            atomic_write(self.path, lambda out: write_pack_file(out, self.key, self.entries))
+        except CacheWriteError as e:
+            _say_once(f"packed-weight cache unavailable ({e.strerror}): loom runs without it and packs "
+                      f"the weights at every load")
+            return
+        self._map_written()
+
+    def _map_written(self) -> None:
+        """Points the packed forms at the file just written: the process then holds the weights
+        as shared file pages, as after a warm load, and the packing's own copies are freed."""
+        try:
+            mapped = read_pack_file(self.path, self.key)
+        except (BadCacheFile, OSError, ValueError, KeyError, TypeError):
+            return   # keep the in-memory copies; the next load checks the file again
+        for name, p in self.entries.items():
+            if name in mapped and mapped[name].w.shape == p.w.shape:
+                p.w = mapped[name].w
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> "PackCache":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+        if exc_type is None:
+            self.save()
+
+
+class _Bar:
+    """The cold load's progress display on stderr (started on first use): hashing the file
+    when its digest is not on record yet, then the matrices packed."""
+
+    def __init__(self, matrices: int, path: Path):
+        self.matrices, self.path = matrices, path
+        self.progress: Progress | None = None
+        self.tasks: dict[str, object] = {}
+
+    def _task(self, label: str, total: int):
+        if self.progress is None:
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.progress.start()
+        if label not in self.tasks:
+            self.tasks[label] = self.progress.add_task(label, total=total)
+        return self.tasks[label]
+
+    def hashed(self, nbytes: int) -> None:
+        self.advance(f"hashing {self.path.name} (MB)", self.path.stat().st_size // 2**20 + 1, nbytes / 2**20)
+
+    def packed(self, n: int) -> None:
+        self.advance("packing weights", self.matrices, n)
+
+    def advance(self, label: str, total: int, n: float) -> None:
+        task = self._task(label, total)
+        self.progress.advance(task, n)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+            self.tasks.clear()

@@ -1,0 +1,259 @@
+"""The packed-weight cache (loom/model/pack_cache.py) and the embedding read from its stored rows.
+
+Every test points LOOM_CACHE at a fresh directory and loads the tiny random-weight GGUF models
+with loom's kernels ("quant" mode): the first load packs and writes the cache, the next one
+must map it and pack nothing; a bad file is reported in one line and rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+import tiny_gguf
+from loom import kernels
+from loom.loader.gguf import GGUFFile
+from loom.model import pack_cache, weights
+from loom.model.build import load_model
+from loom.model.layers.embedding import QuantEmbedding
+from loom.model.pack_cache import PackCache, read_pack_file
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"loom kernels: {kernels.unavailable_reason()}")
+pytestmark = needs_kernels
+
+Q = tiny_gguf.Q
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LOOM_PACK_CACHE", raising=False)
+    monkeypatch.setattr(pack_cache, "_reported", set())
+    return tmp_path / "cache"
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def tiny_path(request, tiny_llama_path, tiny_gemma3_path) -> Path:
+    return tiny_llama_path if request.param == "llama" else tiny_gemma3_path
+
+
+def _pack_file(cache: Path) -> Path:
+    files = list((cache / "packed").glob("*.pack"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _packed_weights(model) -> list[torch.Tensor]:
+    layers = [b for L in model.layers for b in (L.qkv, L.o, L.gate_up, L.down)]
+    return [b.p.w for b in [model.lm_head, *layers]]
+
+
+def _count_packing(monkeypatch) -> list[int]:
+    calls = [0]
+    real = weights.pack_codes
+
+    def counting(codes):
+        calls[0] += 1
+        return real(codes)
+    monkeypatch.setattr(weights, "pack_codes", counting)
+    return calls
+
+
+def _mapped_from(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds tensor `t`'s data (Linux), or None for anonymous memory."""
+    addr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= addr < hi:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "loom" and r.levelno >= logging.WARNING]
+
+
+def test_warm_load_maps_the_cache_and_packs_nothing(cache_dir, tiny_path, monkeypatch, caplog):
+    packs = _count_packing(monkeypatch)
+    cold = load_model(tiny_path, linear="quant")
+    assert packs[0] > 0 and cold.kern is not None
+    path = _pack_file(cache_dir)
+    assert not list(path.parent.glob(".*.tmp")), "the temporary file is renamed, not left behind"
+    packs[0] = 0
+    warm = load_model(tiny_path, linear="quant")
+    assert packs[0] == 0
+    for a, b in zip(_packed_weights(cold), _packed_weights(warm), strict=True):
+        assert torch.equal(a, b)
+        # both hold the weights as pages of the cache file (the cold load maps what it wrote)
+        assert _mapped_from(a) == _mapped_from(b) == str(path)
+    assert _warnings(caplog) == []
+    # the sha256 of the file is remembered: the next load does not read the whole file again
+    assert list((cache_dir / "identity").glob("*.json"))
+
+
+def test_stale_key_is_reported_and_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplog):
+    load_model(tiny_llama_path, linear="quant")
+    monkeypatch.setattr(pack_cache, "loom_version", lambda: "99.0")
+    packs = _count_packing(monkeypatch)
+    load_model(tiny_llama_path, linear="quant")
+    assert packs[0] > 0
+    [line] = _warnings(caplog)
+    assert "is stale (loom " in line and "-> '99.0'" in line and "rebuilding it" in line
+    f = GGUFFile.open(tiny_llama_path)
+    assert read_pack_file(_pack_file(cache_dir), pack_cache.cache_key(f, kernels.variant()))   # the new key
+
+
+def _damaged(cache_dir: Path, tiny_path: Path, monkeypatch, caplog, damage) -> str:
+    """Loads once, damages the file, loads again: returns the one warning and checks the rebuild."""
+    load_model(tiny_path, linear="quant")
+    path = _pack_file(cache_dir)
+    good = path.read_bytes()
+    damage(path, bytearray(good))
+    packs = _count_packing(monkeypatch)
+    model = load_model(tiny_path, linear="quant")
+    assert packs[0] > 0, "a damaged file is never used"
+    assert path.read_bytes() == good, "the rebuilt file is the same as the first"
+    assert model.kern is not None
+    [line] = _warnings(caplog)
+    assert str(path) in line and line.endswith("rebuilding it")
+    return line
+
+
+def test_truncated_file_is_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplog):
+    line = _damaged(cache_dir, tiny_llama_path, monkeypatch, caplog,
+                    lambda p, b: p.write_bytes(b[:len(b) - 1000]))
+    assert "truncated" in line
+
+
+def test_file_cut_inside_the_header_is_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplog):
+    line = _damaged(cache_dir, tiny_llama_path, monkeypatch, caplog, lambda p, b: p.write_bytes(b[:40]))
+    assert "truncated (40 bytes)" in line
+
+
+def test_corrupt_index_is_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplog):
+    def flip_index_byte(p, b):
+        b[100] ^= 0x20
+        p.write_bytes(bytes(b))
+    line = _damaged(cache_dir, tiny_llama_path, monkeypatch, caplog, flip_index_byte)
+    assert "is corrupt (index checksum mismatch)" in line
+
+
+def test_bad_magic_is_rebuilt(cache_dir, tiny_llama_path, monkeypatch, caplog):
+    line = _damaged(cache_dir, tiny_llama_path, monkeypatch, caplog, lambda p, b: p.write_bytes(b"NOTAPACK" + b[8:]))
+    assert "bad magic bytes" in line
+
+
+def test_corrupt_data_is_rebuilt(cache_dir, tiny_gemma3_path, monkeypatch, caplog):
+    def zero_first_entry(p, b):
+        start = len(b) - int.from_bytes(b[24:32], "little")      # the data area ends the file
+        b[start:start + 64] = bytes(64)
+        p.write_bytes(bytes(b))
+    line = _damaged(cache_dir, tiny_gemma3_path, monkeypatch, caplog, zero_first_entry)
+    assert "is corrupt (entry" in line and "fails its data checksum" in line
+
+
+def test_unwritable_cache_directory_runs_without_it_and_says_so_once(cache_dir, tiny_llama_path, caplog):
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "packed").write_text("a file where the cache directory should be")
+    first = load_model(tiny_llama_path, linear="quant")
+    second = load_model(tiny_llama_path, linear="quant")
+    assert first.kern is not None and second.kern is not None
+    [line] = _warnings(caplog)
+    assert line.startswith("packed-weight cache unavailable (cannot write") and "loom runs without it" in line
+
+
+def test_full_disk_leaves_no_partial_file(cache_dir, tiny_llama_path, monkeypatch, caplog):
+    def disk_full(out, key, entries):
+        out.write(b"LOOMPACK" + bytes(1000))
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(pack_cache, "write_pack_file", disk_full)
+    model = load_model(tiny_llama_path, linear="quant")
+    assert model.kern is not None
+    assert list((cache_dir / "packed").iterdir()) == []
+    [line] = _warnings(caplog)
+    assert "No space left on device" in line
+
+
+def test_concurrent_loaders_leave_one_valid_file(cache_dir, tiny_gemma3_path, caplog):
+    errors: list[BaseException] = []
+
+    def load():
+        try:
+            load_model(tiny_gemma3_path, linear="quant")
+        except BaseException as e:   # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    path = _pack_file(cache_dir)
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    f = GGUFFile.open(tiny_gemma3_path)
+    assert read_pack_file(path, pack_cache.cache_key(f, kernels.variant()))
+    assert _warnings(caplog) == []
+
+
+def test_cache_off_by_environment(cache_dir, tiny_llama_path, monkeypatch):
+    monkeypatch.setenv("LOOM_PACK_CACHE", "0")
+    assert load_model(tiny_llama_path, linear="quant").kern is not None
+    assert not (cache_dir / "packed").exists()
+
+
+def test_exact_mode_does_not_touch_the_cache(cache_dir, tiny_llama_path):
+    load_model(tiny_llama_path, linear="exact")
+    assert not (cache_dir / "packed").exists()
+
+
+def test_cache_holds_every_projection(cache_dir, tiny_llama_path):
+    model = load_model(tiny_llama_path, linear="quant")
+    f = GGUFFile.open(tiny_llama_path)
+    cache = PackCache.open(f, kernels.variant())
+    assert len(cache.entries) == 1 + 4 * len(model.layers)
+    assert "blk.0.attn_q.weight@unpermute4+blk.0.attn_k.weight@unpermute2+blk.0.attn_v.weight" in cache.entries
+
+
+# -- the embedding, gathered from its stored rows ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q6_K],
+                         ids=lambda t: t.name)
+def test_embedding_rows_equal_the_dequantized_table(tmp_path, qtype):
+    rng = np.random.default_rng(int(qtype))
+    table = rng.standard_normal((40, 256)).astype(np.float32)
+    raw = tiny_gguf.quantize(table, qtype)
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"x" * 77 + raw.tobytes())       # an offset that is not page-aligned
+    emb = QuantEmbedding(path, 77, qtype, (40, 256))
+    ref = gguf_dequantize(raw, qtype).reshape(40, 256).astype(np.float32)
+    ids = torch.tensor([[3, 0, 39], [3, 17, 5]])
+    out = emb[ids]
+    assert out.shape == (2, 3, 256) and out.dtype == torch.float32
+    np.testing.assert_array_equal(out.numpy(), ref[ids.numpy()])
+
+
+# -- the tokenizer's derived merges ------------------------------------------------------------------------
+
+
+def test_derived_merges_are_cached_and_a_bad_file_is_derived_again(cache_dir, tiny_gemma3_path):
+    from loom.loader.tokenizer import Tokenizer
+
+    f = GGUFFile.open(tiny_gemma3_path)
+    cold = Tokenizer.from_gguf(f)
+    [path] = (cache_dir / "tokenizers").glob("*.merges.npy")
+    assert np.load(path).shape[1] == 2
+    warm = Tokenizer.from_gguf(f)
+    assert warm._backend.to_str() == cold._backend.to_str()
+    path.write_bytes(b"not an array")
+    again = Tokenizer.from_gguf(f)
+    assert again._backend.to_str() == cold._backend.to_str()
+    assert np.load(path).shape[1] == 2, "the bad file is replaced"
