@@ -270,25 +270,16 @@ def serve(
                                     "balanced) or power-of-two (Ray Serve's default)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web playground at /."""
-    from loom.config import EngineConfig, physical_cores
+    from loom.config import EngineConfig
     from loom.server import run_server
 
     if log_level not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter(f"expected debug, info, warning or error, got {log_level!r}",
                                  param_hint="--log-level")
-    clustered = replicas is not None or ray_address is not None or \
-        (min_replicas, max_replicas, target_ongoing_requests) != (None, None, None)
-    cluster = None
-    if clustered:
-        from loom.cluster.config import ClusterConfig
-
-        count = replicas if replicas is not None else 1
-        threads = threads if threads is not None else max(1, physical_cores() // max(1, count))
-        cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
-                                max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
-                                router=router)
-        cluster.check_before_ray()
-
+    cluster = _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas,
+                               target_ongoing_requests, router)
+    if cluster is not None:
+        threads = cluster.threads
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
@@ -305,6 +296,23 @@ def serve(
     run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
                access_log=access_log, engine_process=engine_process)
+
+
+def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router):
+    """The ClusterConfig of `loom serve --replicas ...` (checked before Ray starts), or None for one server."""
+    from loom.config import physical_cores
+
+    if replicas is None and ray_address is None and (min_replicas, max_replicas, target_ongoing_requests) == \
+            (None, None, None):
+        return None
+    from loom.cluster.config import ClusterConfig
+
+    count = replicas if replicas is not None else 1
+    threads = threads if threads is not None else max(1, physical_cores() // max(1, count))
+    cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
+                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests, router=router)
+    cluster.check_before_ray()
+    return cluster
 
 
 def _json_option(text: str | None, flag: str):
