@@ -205,3 +205,15 @@ def tiny(server_pool):
 @pytest.fixture(scope="module")
 def strict(server_pool):
     return server_pool.get("strict")
+
+
+def run_to_end(engine, prompts, params) -> list:
+    """Adds one request per (prompt, params), steps the engine until idle and returns the final
+    outputs in the order of `prompts`."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [finals[i] for i in ids]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conftest import run_to_end
+
 import httpx
 import pytest
 import torch
@@ -13,14 +15,7 @@ from loom.errors import InvalidRequestError
 from loom.model.runner import score
 
 
-def finish(engine: Engine, prompts, params) -> list:
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return [finals[i] for i in ids]
+finish = run_to_end   # engine, prompts, params -> final outputs in prompt order
 
 
 @pytest.fixture(scope="module")

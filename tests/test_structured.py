@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conftest import run_to_end
+
 import json
 import re
 
@@ -22,14 +24,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
 
 
-def run(engine: Engine, prompts, params) -> list:
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return [finals[i] for i in ids]
+run = run_to_end   # engine, prompts, params -> final outputs in prompt order
 
 
 # -- parameters ----------------------------------------------------------------------------------
