@@ -51,55 +51,78 @@ def normalize_number(text: str) -> str | None:
     return str(int(value)) if value == int(value) else repr(value)
 
 
-def regex_extractor(pattern: str, group: int = 1, flags: int = 0) -> Extractor:
-    """The last match of `pattern` in the text, its `group` (0: the whole match), stripped."""
-    compiled = re.compile(pattern, flags)
+# Extractors are small frozen objects, not closures: a fan-out's options travel pickled to the
+# engine process.
 
-    def extract(text: str) -> str | None:
+
+@dataclass(frozen=True)
+class RegexExtractor:
+    """The last match of `pattern` in the text, its `group` (0: the whole match), stripped."""
+
+    pattern: str
+    group: int = 1
+    flags: int = 0
+
+    def __call__(self, text: str) -> str | None:
+        compiled = re.compile(self.pattern, self.flags)   # re caches compiled patterns
         matches = list(compiled.finditer(text))
         if not matches:
             return None
-        value = matches[-1].group(group if compiled.groups >= group else 0)
+        value = matches[-1].group(self.group if compiled.groups >= self.group else 0)
         return value.strip() if value is not None else None
 
-    return extract
 
-
-def last_number_extractor() -> Extractor:
+@dataclass(frozen=True)
+class LastNumberExtractor:
     """The last number in the text, normalised (`normalize_number`)."""
 
-    def extract(text: str) -> str | None:
+    def __call__(self, text: str) -> str | None:
         found = _NUMBER.findall(text)
         return normalize_number(found[-1]) if found else None
 
-    return extract
 
-
-def gsm8k_extractor(fallback_last_number: bool = True) -> Extractor:
+@dataclass(frozen=True)
+class Gsm8kExtractor:
     """GSM8K's answer line ``#### N`` (normalised); without one, the last number in the text
     unless `fallback_last_number` is False."""
-    last = last_number_extractor()
 
-    def extract(text: str) -> str | None:
+    fallback_last_number: bool = True
+
+    def __call__(self, text: str) -> str | None:
         marked = re.findall(r"####\s*(-?\$?\d[\d,]*(?:\.\d+)?)", text)
         if marked:
             return normalize_number(marked[-1])
-        return last(text) if fallback_last_number else None
-
-    return extract
+        return LastNumberExtractor()(text) if self.fallback_last_number else None
 
 
-def choice_extractor(letters: str = "ABCDE") -> Extractor:
+@dataclass(frozen=True)
+class ChoiceExtractor:
     """A multiple-choice letter: 'answer is (B)' / 'Answer: B' first, else the last standalone
     letter among `letters` in the text."""
-    stated = re.compile(rf"answer\s*(?:is|:)?\s*\(?([{letters}])\)?\b", re.IGNORECASE)
-    alone = re.compile(rf"(?<![A-Za-z])\(?([{letters}])\)?(?![A-Za-z])")
 
-    def extract(text: str) -> str | None:
+    letters: str = "ABCDE"
+
+    def __call__(self, text: str) -> str | None:
+        stated = re.compile(rf"answer\s*(?:is|:)?\s*\(?([{self.letters}])\)?\b", re.IGNORECASE)
+        alone = re.compile(rf"(?<![A-Za-z])\(?([{self.letters}])\)?(?![A-Za-z])")
         found = stated.findall(text) or alone.findall(text)
         return found[-1].upper() if found else None
 
-    return extract
+
+def regex_extractor(pattern: str, group: int = 1, flags: int = 0) -> Extractor:
+    return RegexExtractor(pattern, group, flags)
+
+
+def last_number_extractor() -> Extractor:
+    return LastNumberExtractor()
+
+
+def gsm8k_extractor(fallback_last_number: bool = True) -> Extractor:
+    return Gsm8kExtractor(fallback_last_number)
+
+
+def choice_extractor(letters: str = "ABCDE") -> Extractor:
+    return ChoiceExtractor(letters)
 
 
 EXTRACTORS: dict[str, Callable[..., Extractor]] = {
