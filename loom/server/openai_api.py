@@ -736,7 +736,7 @@ def _v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
 def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     """vLLM's tokenizer routes at the root: /tokenize, /detokenize, /tokenizer_info."""
     auth = [Depends(_bearer_check(api_key))] if api_key else []
-    errors = {**_V1_ERRORS, **({401: _ERRORS} if api_key else {})}
+    errors = {**_V1_ERRORS, 404: _ERRORS, **({401: _ERRORS} if api_key else {})}   # 404: another model named
     router = APIRouter(dependencies=auth)
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=errors)
