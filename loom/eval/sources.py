@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 import torch
 
-from loom.config import LoadConfig
+from loom.config import CacheConfig, LoadConfig
 from loom.engine.engine import kv_cache_torch_dtype
 from loom.errors import InvalidRequestError, LoomError
 from loom.eval.windows import Window, Windows
@@ -53,8 +53,7 @@ class LoomSource:
         gguf = GGUFFile.open(self.path)
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.model = load_model(gguf, linear=load.linear_mode)
-        if kv_cache_dtype not in ("auto", "float32", "float16"):
-            raise InvalidRequestError(f"kv_cache_dtype must be one of auto, float32, float16, got {kv_cache_dtype!r}")
+        CacheConfig(kv_cache_dtype=kv_cache_dtype)   # validates it
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.model)
         self.chunk = chunk
         self.vocab_size = self.model.cfg.vocab_size
