@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
-from loom.outputs import RequestOutput
+from loom.outputs import FinalOutputs, RequestOutput
 from loom.parallel.beam import run_beam_search
 from loom.sampling_params import SamplingParams
 
@@ -92,13 +92,13 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        gather = FinalOutputs()
         show = use_tqdm and len(ids) >= PROGRESS_MIN_PROMPTS
         with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       disable=not show, transient=True) as bar:
             task = bar.add_task("gen", total=len(ids))
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.advance(task)
+                for out in gather.add_all(self.engine.step()):
+                    final[out.request_id] = out
+                    bar.advance(task)
         return [final[i] for i in ids]

@@ -3,10 +3,17 @@
 `RequestOutput.outputs[i]` is one completion; text and token_ids are cumulative, and
 `delta_text` / `delta_token_ids` hold what is new since the previous output of the same
 request (what a stream sends).
+
+An n > 1 request streams per choice: each engine output holds the one choice that changed
+(`CompletionOutput.index` says which), and `RequestOutput.finished` marks the request's last
+output. `FinalOutputs` gathers such a stream into one output per request with every choice,
+which is what the offline API returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -59,3 +66,25 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then {id: Logprob}
     # per prompt token (the actual token always present); filled as the prompt is computed
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class FinalOutputs:
+    """Each request's final `RequestOutput`, all of its choices in index order, gathered from
+    the stream of engine outputs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._choices: dict[str, dict[int, CompletionOutput]] = {}
+
+    def add(self, out: RequestOutput) -> RequestOutput | None:
+        """Takes one engine output; returns the request's final output once `out` ends it."""
+        choices = self._choices.setdefault(out.request_id, {})
+        for c in out.outputs:
+            choices[c.index] = c
+        if not out.finished:
+            return None
+        del self._choices[out.request_id]
+        return dataclasses.replace(out, outputs=[choices[i] for i in sorted(choices)])
+
+    def add_all(self, outs: Iterable[RequestOutput]) -> list[RequestOutput]:
+        """The final outputs among `outs` (see `add`)."""
+        return [f for out in outs if (f := self.add(out)) is not None]

@@ -16,6 +16,7 @@ for _p in (_TESTS.parent, _TESTS):
         sys.path.insert(0, str(_p))
 
 import tiny_gguf  # noqa: E402
+from loom.outputs import FinalOutputs  # noqa: E402
 
 # -- tiny GGUF models (written once per session) -------------------------------------------
 
@@ -211,9 +212,8 @@ def run_to_end(engine, prompts, params) -> list:
     """Adds one request per (prompt, params), steps the engine until idle and returns the final
     outputs in the order of `prompts`."""
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    finals = {}
+    finals, gather = {}, FinalOutputs()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+        for out in gather.add_all(engine.step()):
+            finals[out.request_id] = out
     return [finals[i] for i in ids]

@@ -445,12 +445,12 @@ def test_abort_returns_abort_and_frees_blocks(make_tiny):
         engine.step()
         engine.kv.check_integrity()
     held = engine.kv.num_free_blocks()
-    out = engine.abort("r1")
+    [out] = engine.abort("r1")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert len(out.outputs[0].token_ids) == 4  # one from the prefill step, one per decode step
     assert engine.kv.num_free_blocks() > held
     engine.kv.check_integrity()
-    assert engine.abort("r1") is None and engine.abort("nope") is None
+    assert engine.abort("r1") == [] and engine.abort("nope") == []
     final, steps = drain(engine, check=lambda e: e.kv.check_integrity())
     assert sorted(final) == ["r0", "r2"]
     assert all(o.request_id != "r1" for outs in steps for o in outs)
@@ -464,7 +464,7 @@ def test_abort_of_a_waiting_request(make_tiny):
     engine.add_request("first", sp, request_id="a")
     engine.add_request("second", sp, request_id="b")
     engine.step()
-    out = engine.abort("b")
+    [out] = engine.abort("b")
     assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
     final, _ = drain(engine)
     assert list(final) == ["a"] and engine.kv.usage() == 0.0

@@ -27,7 +27,7 @@ from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
 from loom.llm import LLM
-from loom.outputs import CompletionOutput
+from loom.outputs import CompletionOutput, FinalOutputs
 from loom.parallel.aggregators import (
     AggregateResult,
     BestOfN,
@@ -70,11 +70,10 @@ def make_engine(tiny_llama_path: Path, tiny_parts):
 
 
 def drain(engine: Engine, check: bool = True) -> dict[str, object]:
-    final = {}
+    final, gather = {}, FinalOutputs()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+        for out in gather.add_all(engine.step()):
+            final[out.request_id] = out
         if check:
             engine.kv.check_integrity()
     return final
@@ -199,8 +198,9 @@ def test_children_share_the_prompt_which_is_computed_once(make_engine):
     engine = make_engine()
     rid = engine.add_request(PROMPT, SamplingParams(n=4, max_tokens=5, seed=3, **SAMPLED))
     seen_shared = False
+    gather, finals = FinalOutputs(), []
     while engine.has_unfinished_requests():
-        outs = engine.step()
+        finals += gather.add_all(engine.step())
         kids = [k for k in engine.scheduler.requests if k.startswith(f"{rid}/")]
         if len(kids) == 4 and not seen_shared:  # just forked: nothing written yet
             tables = [engine.kv.block_table(k) for k in kids]
@@ -210,7 +210,7 @@ def test_children_share_the_prompt_which_is_computed_once(make_engine):
         engine.kv.check_integrity()
     assert seen_shared
     assert engine.scheduler.stats.prompt_tokens == len(PROMPT) - 1 + 4, "one prefill plus each child's last token"
-    [out] = outs
+    [out] = finals
     assert out.request_id == rid and out.finished
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     for c in out.outputs:
@@ -270,8 +270,9 @@ def test_abort_of_a_group_frees_every_child(make_engine):
     for _ in range(4):
         engine.step()
     assert engine.kv.usage() > 0
-    final = engine.abort(rid)
-    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 3
+    ended = engine.abort(rid)
+    assert ended[-1].finished and not any(o.finished for o in ended[:-1])
+    assert [(c.index, c.finish_reason) for o in ended for c in o.outputs] == [(i, "abort") for i in range(3)]
     assert engine.kv.usage() == 0 and not engine.has_unfinished_requests()
     other = engine.add_request(PROMPT, SamplingParams(n=2, max_tokens=50, **SAMPLED))
     while other in engine.scheduler.requests:  # until it forked: only its children are scheduled

@@ -13,12 +13,34 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
+
+
+async def stream_outputs(queue: asyncio.Queue, stopped_early: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as they arrive on `queue`, until the one that has `finished`. An
+    exception put on the queue is raised (the request is over: nothing to abort); if the
+    consumer stops before the end, `stopped_early()` runs (it aborts the request). Close it
+    with `contextlib.aclosing` so that happens at once."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            stopped_early()
 
 
 class AsyncEngine:
@@ -63,29 +85,24 @@ class AsyncEngine:
             rid = self.engine.add_request(prompt, params, request_id, priority, fanout=fanout)
             self._queues[rid] = (asyncio.get_running_loop(), queue)
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._queues.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+        async with aclosing(stream_outputs(queue, lambda: self._drop(rid))) as outs:
+            async for out in outs:
+                yield out
+
+    def _drop(self, rid: str) -> None:
+        """The consumer stopped before the end: forget its queue and abort the request."""
+        self._queues.pop(rid, None)
+        self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        """Ends the request and frees its blocks; its stream (if any) gets a final 'abort' output."""
+        """Ends the request and frees its blocks; its stream (if any) gets the 'abort' outputs."""
         with self._lock:
-            out = self.engine.abort(request_id)
+            outs = self.engine.abort(request_id)
         entry = self._queues.pop(request_id, None)
-        if entry is not None and out is not None:
+        if entry is not None:
             loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            for out in outs:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def snapshot(self, fn):
         """Runs fn(engine) under the engine lock (consistent stats for metrics endpoints)."""

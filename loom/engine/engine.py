@@ -220,15 +220,16 @@ class Engine:
         raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, "
                                   f"got {type(prompt).__name__}")
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Ends a request now and frees its KV blocks; returns its final output (finish_reason 'abort')."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Ends a request now and frees its KV blocks; returns its last outputs (finish_reason
+        'abort'): one, or one per choice it ended for an n > 1 request; none for an unknown id."""
         if request_id in self.groups:
             return self.groups.abort(request_id)
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
         state = self.outputs.pop(request_id, None)
         if req is None or state is None:
-            return None
-        return state.process()
+            return []
+        return [state.process()]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -24,9 +24,12 @@ Rules:
   the seed range); child 0 keeps the request's seed, so n=1 and the first of n agree;
 * logprobs: children always compute the logprob of their tokens, so every completion carries a
   `cumulative_logprob` (best_of ranks by it); per-token logprobs are returned only when asked;
-* outputs: the engine returns ONE `RequestOutput` per group, under the request's id, whose
-  `outputs` hold one `CompletionOutput` per child (index 0..n-1). With best_of > n only the
-  final output is returned, holding the n children with the highest cumulative logprob;
+* outputs: per choice, never merged. Each step returns one `RequestOutput` per child that
+  changed, under the request's id, holding that child's one `CompletionOutput` (its `index`
+  is the choice index, 0..n-1); `RequestOutput.finished` is set on the request's last output,
+  when every child has finished. The server maps these to choices as they come; the offline
+  API gathers them with `loom.outputs.FinalOutputs`. With best_of > n nothing is returned
+  until the end, then the n children with the highest cumulative logprob, re-indexed;
 * early stopping: `FanOutOptions.stop_policy` is asked after every step in which a child
   changed; when it says stop, the unfinished children are aborted (finish_reason "abort")
   and their blocks freed.
@@ -160,8 +163,8 @@ class RequestGroups:
     """The engine's groups of n > 1 / best_of requests (see the module docstring).
 
     The engine calls `add` for such a request instead of creating its output state, `step`
-    after every step (forks parents that reached their limit, merges the children's outputs
-    into group outputs, applies early stopping) and `abort` for an id `in` it.
+    after every step (forks parents that reached their limit, emits the changed children's
+    outputs one per choice, applies early stopping) and `abort` for an id `in` it.
     """
 
     def __init__(self, engine: Engine):
@@ -197,25 +200,26 @@ class RequestGroups:
             policy = group.options.stop_policy
             if policy is not None and not group.done() and policy.should_stop(self._completions(group)):
                 self._abort_children(group)
-        return passed + [o for g in touched.values() if (o := self._emit(g)) is not None]
+        return passed + [o for g in touched.values() for o in self._emit(g)]
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Aborts a whole group (its id) or one child; returns the group's final output when
-        this ended it."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Aborts a whole group (its id) or one child; returns the outputs of the children it
+        ended, the last `finished` when this ended the group."""
         group = self.groups.get(request_id)
         if group is None:
             entry = self._children.get(request_id)
             if entry is None:
-                return None
+                return []
             group = entry[0]
             self._abort_one(group, entry[1])
         elif not group.forked:
             self.engine.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
             for i in range(group.size):
                 group.latest[i] = CompletionOutput(i, "", [], finish_reason="abort")
+                group.changed.add(i)
         else:
             self._abort_children(group)
-        return self._emit(group) if group.done() else None
+        return self._emit(group) if group.done() else []
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -255,25 +259,27 @@ class RequestGroups:
     def _completions(self, group: _Group) -> list[CompletionOutput]:
         return [group.latest.get(i) or CompletionOutput(i, "", []) for i in range(group.size)]
 
-    def _emit(self, group: _Group) -> RequestOutput | None:
+    def _emit(self, group: _Group) -> list[RequestOutput]:
+        """One output per changed child (one completion each); the last is `finished` when
+        the group is done. best_of > n: nothing until done, then the n best."""
         done = group.done()
         if not done and group.size > group.params.n:
             group.changed.clear()
-            return None  # best_of ranks finished children only
-        completions = []
-        for c in self._completions(group):
-            if c.index not in group.changed:
-                c = dataclasses.replace(c, delta_text="", delta_token_ids=[])
-            if group.params.logprobs is None:
-                c = dataclasses.replace(c, logprobs=None)
-            completions.append(c)
-        group.changed.clear()
+            return []  # best_of ranks finished children only
         if done:
             del self.groups[group.request_id]
-            completions = _best(completions, group.params.n)
-        parent = group.parent
-        return RequestOutput(group.request_id, parent.prompt, list(parent.prompt_token_ids), completions, done,
-                             self._metrics(group, done), parent.num_cached_tokens)
+        if done and group.size > group.params.n:  # the first output of each chosen child: all of it is new
+            choices = [dataclasses.replace(c, delta_text=c.text, delta_token_ids=list(c.token_ids))
+                       for c in _best(self._completions(group), group.params.n)]
+        else:
+            choices = [group.latest[i] for i in sorted(group.changed)]
+        group.changed.clear()
+        if group.params.logprobs is None:
+            choices = [dataclasses.replace(c, logprobs=None) for c in choices]
+        parent, metrics = group.parent, self._metrics(group, done)
+        return [RequestOutput(group.request_id, parent.prompt, list(parent.prompt_token_ids), [c],
+                              done and i == len(choices) - 1, metrics, parent.num_cached_tokens)
+                for i, c in enumerate(choices)]
 
     @staticmethod
     def _metrics(group: _Group, done: bool) -> RequestMetrics:

@@ -31,7 +31,7 @@ from typing import Any
 
 from loom.engine.groups import FanOutOptions
 from loom.errors import InvalidRequestError
-from loom.outputs import CompletionOutput
+from loom.outputs import CompletionOutput, FinalOutputs
 
 # -- answer extractors -------------------------------------------------------------------------------
 
@@ -367,8 +367,9 @@ def sample_and_aggregate(llm_or_engine: Any, prompts: Sequence[Any], params: Any
             engine.abort(rid)
         raise
     final: dict[str, Any] = {}
+    gather = FinalOutputs()
     while len(final) < len(ids) and engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.request_id in ids:
+        for out in gather.add_all(engine.step()):
+            if out.request_id in ids:
                 final[out.request_id] = out
     return [AggregatedOutput(final[rid], agg.aggregate(final[rid].outputs)) for rid in ids]

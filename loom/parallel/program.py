@@ -145,7 +145,8 @@ class Thread:
         self.program.drive(children, lambda: all(c.finished for c in children))
         for child in children:
             if not child.finished:  # paused by its owner: end it so its blocks go
-                child.output = self.program.engine.abort(child.request_id) or child.output
+                ended = self.program.engine.abort(child.request_id)
+                child.output = ended[-1] if ended else child.output
         parts = [template.format(prefix=c.prefix, text=c.text, index=i) for i, c in enumerate(children)]
         joined = before + sep.join(parts) + after
         self.resume(joined)

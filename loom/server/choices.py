@@ -1,11 +1,11 @@
-"""One API call -> one engine request per prompt (its n choices share the prompt's KV), merged into one stream.
+"""One API call -> one engine request per prompt (its n choices share the prompt's KV), read as one stream of choices.
 
 `fan_out` is the single place that decides how choices become engine requests: one request per
 prompt with ``n`` (and ``best_of``) set, which the engine fans out into children that prefill
 the prompt once and share its KV blocks (`loom.engine.groups`); choice i of a seeded request
-samples with `derive_seed(seed, i)`. Each prompt's outputs are split back into per-choice
-outputs, so everything downstream sees choices as before (``(choice index, RequestOutput)``
-with one completion each).
+samples with `derive_seed(seed, i)`. The engine streams each prompt's outputs per choice (one
+completion each), so each maps to its choice as it comes: ``(choice index, RequestOutput)``,
+`finished` when that choice has finished.
 
 Lifecycle rules of a group:
 
@@ -81,7 +81,7 @@ class ChoiceGroup:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._watcher: asyncio.Task | None = None
         self._closed = False
-        self._finals: dict[int, RequestOutput] = {}
+        self._finals: dict[int, RequestOutput] = {}  # choice index -> its final output
         loop = asyncio.get_running_loop()
         for p in prompts:
             p.admitted = loop.create_future()
@@ -103,16 +103,17 @@ class ChoiceGroup:
                     arrival = out.metrics.arrival_time
                 if not p.admitted.done():
                     p.admitted.set_result(None)
-                if out.finished:
-                    self._finals[p.index] = out
                 for c in out.outputs:
                     if ended[c.index] or not (c.delta_token_ids or c.delta_text or c.finish_reason):
                         continue
                     ended[c.index] = c.finish_reason is not None
                     choice = _choice_output(out, c)
+                    index = p.index * self._n + c.index
+                    if choice.finished:
+                        self._finals[index] = choice
                     if trackers[c.index] is not None:
                         trackers[c.index].on_output(choice)
-                    self._queue.put_nowait((p.index * self._n + c.index, choice))
+                    self._queue.put_nowait((index, choice))
         except asyncio.CancelledError:
             # add_request runs before the generator's first wait, so a cancelled prompt was queued
             self._abandon(trackers, ended, arrival if arrival is not None else start)
@@ -177,9 +178,9 @@ class ChoiceGroup:
                 final[index] = out
         return [final[i] for i in range(self.size)]
 
-    def prompt_outputs(self) -> list[RequestOutput]:
-        """Each prompt's final output with all of its choices (after `final_outputs`)."""
-        return [self._finals[p.index] for p in self._prompts]
+    def prompt_choices(self) -> list[list[RequestOutput]]:
+        """Each prompt's final choice outputs, in choice order (after `final_outputs`)."""
+        return [[self._finals[p.index * self._n + i] for i in range(self._n)] for p in self._prompts]
 
     def stop(self) -> None:
         """Ends the group because the server stops: whoever iterates it gets `ServerStopping`."""
@@ -198,6 +199,9 @@ class ChoiceGroup:
 
 
 def _choice_output(out: RequestOutput, c: CompletionOutput) -> RequestOutput:
+    """Choice `c` of engine output `out` as that choice's own output: finished when it is."""
+    if len(out.outputs) == 1 and out.outputs[0] is c and out.finished == (c.finish_reason is not None):
+        return out
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [c], c.finish_reason is not None,
                          out.metrics, out.num_cached_tokens, out.prompt_logprobs)
 
@@ -223,14 +227,15 @@ class LoomPlan:
     aggregator: Aggregator | None
     return_children: bool
 
-    def aggregate(self, prompt_outputs: list[RequestOutput]) -> tuple[list[RequestOutput], LoomResponse]:
+    def aggregate(self, prompt_choices: list[list[RequestOutput]]) -> tuple[list[RequestOutput], LoomResponse]:
         """One chosen choice per prompt (index 0; an empty aborted one when none qualified)
         and the extension's results."""
         assert self.aggregator is not None
         chosen, results = [], []
-        for p, out in enumerate(prompt_outputs):
-            result = self.aggregator.aggregate(out.outputs)
-            pick = out.outputs[result.index] if result.index is not None else CompletionOutput(0, "", [],
+        for p, choices in enumerate(prompt_choices):
+            out, completions = choices[0], [c.outputs[0] for c in choices]
+            result = self.aggregator.aggregate(completions)
+            pick = completions[result.index] if result.index is not None else CompletionOutput(0, "", [],
                                                                                                finish_reason="abort")
             chosen.append(_choice_output(out, CompletionOutput(0, pick.text, pick.token_ids, pick.cumulative_logprob,
                                                                pick.logprobs, pick.finish_reason, pick.stop_reason)))
@@ -239,7 +244,7 @@ class LoomPlan:
                 extract = getattr(self.aggregator, "extract", None)
                 children = [LoomChild(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                       cumulative_logprob=c.cumulative_logprob,
-                                      answer=extract(c.text) if extract is not None else None) for c in out.outputs]
+                                      answer=extract(c.text) if extract is not None else None) for c in completions]
             results.append(LoomResult(prompt_index=p, answer=result.answer, chosen_index=result.index,
                                       votes=result.votes, scores=result.scores, children=children))
         return chosen, LoomResponse(results=results)

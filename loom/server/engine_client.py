@@ -32,6 +32,7 @@ import pickle
 import shutil
 import tempfile
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator, Protocol
 
 import zmq
@@ -39,7 +40,7 @@ import zmq.asyncio
 
 from loom import errors as loom_errors
 from loom.config import EngineConfig
-from loom.engine.async_engine import AsyncEngine
+from loom.engine.async_engine import AsyncEngine, stream_outputs
 from loom.engine.engine import QueueFullError
 from loom.errors import EngineDeadError, LoomError
 from loom.loader.gguf import GGUFFile
@@ -239,23 +240,14 @@ class ProcessEngineClient:
             prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        finished = False
         try:
             self._send(wire.AddRequest(rid, prompt, pickle.dumps(params if params is not None else SamplingParams()),
                                        priority, pickle.dumps(fanout) if fanout is not None else None))
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # refused or failed: nothing to abort
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async with aclosing(stream_outputs(queue, lambda: self.abort(rid))) as outs:
+                async for out in outs:
+                    yield out
         finally:
             self._queues.pop(rid, None)
-            if not finished:
-                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         if self.error is None and not self._stopping:

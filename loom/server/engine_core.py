@@ -82,9 +82,7 @@ class EngineCore:
                 self._add(msg, errors)
             elif isinstance(msg, wire.AbortRequests):
                 for rid in msg.request_ids:
-                    out = self.engine.abort(rid)
-                    if out is not None:
-                        pending_out.append(out)
+                    pending_out.extend(self.engine.abort(rid))
             else:
                 self.running = False
                 return

@@ -343,7 +343,7 @@ class OpenAIServing:
         finals = await self.collect(group, request)
         usage, per, extension = self.usage(finals, body.n), body.n, None
         if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
-            (finals, extension), per = plan.aggregate(group.prompt_outputs()), 1
+            (finals, extension), per = plan.aggregate(group.prompt_choices()), 1
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
@@ -463,7 +463,7 @@ class OpenAIServing:
         finals = await self.collect(group, request)
         usage, extension = self.usage(finals, body.n), None
         if plan is not None and plan.aggregator is not None:  # one chosen answer
-            finals, extension = plan.aggregate(group.prompt_outputs())
+            finals, extension = plan.aggregate(group.prompt_choices())
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from loom.bench.settings import BenchError, BenchSettings
 from loom.bench.suites.base import Suite, SuiteContext
+from loom.outputs import FinalOutputs
 
 if TYPE_CHECKING:
     from loom.outputs import CompletionOutput
@@ -77,10 +78,10 @@ def _drive(engine) -> tuple[dict[str, Any], int]:
     final: dict[str, Any] = {}
     peak = 0
     total = engine.kv.pool.num_blocks
+    gather = FinalOutputs()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+        for out in gather.add_all(engine.step()):
+            final[out.request_id] = out
         peak = max(peak, total - engine.kv.num_free_blocks())
     return final, peak
 
