@@ -80,10 +80,10 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
         report = run_comparison(columns, plans, gguf, threads, rounds,
                                 load=lambda s: run_load(s, progress), log=lambda m: progress.console.print(escape(m)))
     header, rows = table(report)
-    grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads",
+    grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads, medians",
                  title_justify="left")
     for i, name in enumerate(header):
-        grid.add_column(name, justify="left" if i < 2 else "right")
+        grid.add_column(name, justify="left" if i < 3 else "right")
     for row in rows:
         grid.add_row(*row)
     out.print(grid)

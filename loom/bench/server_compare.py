@@ -157,23 +157,24 @@ def _fmt(v: float | None, ratio: bool = False) -> str:
 
 
 def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows: streams, rate, each target's metrics, then loom's ratio to each peer."""
+    """Header and rows: one row per (request count, rate, server) with its medians and loom's
+    ratios to it (loom/server for tok/s, server/loom for latencies; none on loom's own row)."""
     labels = [t["label"] for t in report["targets"]]
-    peers = [lb for lb in labels if lb != LOOM] if LOOM in labels else []
-    header = ["requests", "rate"] + [f"{lb} {name}" for lb in labels for _, name, _, _, _ in METRICS]
-    header += [f"loom vs {p} {short}" for p in peers for _, _, short, _, _ in METRICS]
+    header = ["requests", "rate", "server", *(name for _, name, _, _, _ in METRICS),
+              *(f"loom vs it: {short}" for _, _, short, _, _ in METRICS)]
     rows = []
     for row in report["summary"]:
-        cells = [str(row["requests"]), row["rate"]]
-        cells += [_fmt(row["values"][lb][key]) for lb in labels for key, _, _, _, _ in METRICS]
-        cells += [_fmt(row["ratios"][p][key], ratio=True) for p in peers for key, _, _, _, _ in METRICS]
-        rows.append(cells)
+        for lb in labels:
+            ratios = row["ratios"].get(lb, {})
+            rows.append([str(row["requests"]), row["rate"], lb,
+                         *(_fmt(row["values"][lb][key]) for key, _, _, _, _ in METRICS),
+                         *(_fmt(ratios.get(key), ratio=True) if ratios else "" for key, _, _, _, _ in METRICS)])
     return header, rows
 
 
 def markdown(report: dict[str, Any]) -> str:
     header, rows = table(report)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     starts = [f"{run['label']} round {run['round'] + 1}: ready in {run['start_seconds']:.1f} s"
               for run in report["runs"] if run.get("start_seconds") is not None]
