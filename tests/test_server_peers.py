@@ -172,8 +172,10 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
                 "levels": [_level("max", tok, 1000.0 / tok, 10.0)]}
 
     plans = [LoadSettings(url="x", rates=(float("inf"),), num_requests=n) for n in (8, 32)]
+    partial = []
     report = run_comparison(columns, plans, tmp_path / "m.gguf", threads=2, rounds=2, load=fake_load,
-                            log=lambda m: None)
+                            log=lambda m: None, on_run=lambda rep: partial.append(len(rep["runs"])))
+    assert partial == [1, 2, 3, 4]
     assert calls == [("loom", 8), ("loom", 32), ("peer", 8), ("peer", 32)] * 2
     assert report["slots"] == 32 and [r["label"] for r in report["runs"]] == ["loom", "peer", "loom", "peer"]
     assert all(r["start_seconds"] is not None for r in report["runs"] if r["label"] == "peer")

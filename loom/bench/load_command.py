@@ -43,6 +43,14 @@ def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: 
             for n in counts]
 
 
+def _save(report: dict, json_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_path.with_name(json_path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(json_path)
+
+
 def _write_json(report: dict, json_path: Path | None, out: Console) -> None:
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +86,8 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
     threads = threads or physical_cores()
     with Progress(*COLUMNS, console=err, transient=True) as progress:
         report = run_comparison(columns, plans, gguf, threads, rounds,
-                                load=lambda s: run_load(s, progress), log=lambda m: progress.console.print(escape(m)))
+                                load=lambda s: run_load(s, progress), log=lambda m: progress.console.print(escape(m)),
+                                on_run=lambda partial: _save(partial, json_path))
     header, rows = table(report)
     grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads, medians",
                  title_justify="left")

@@ -82,24 +82,28 @@ def _run_target(target: Target, job: ServeJob | None, plans: Sequence[LoadSettin
 
 def run_comparison(columns: Sequence[Target], plans: Sequence[LoadSettings], gguf: Path | None, threads: int,
                    rounds: int = 1, load: Callable[[LoadSettings], dict[str, Any]] = run_load,
-                   log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
-    """Runs `plans` (one per request count) against every target, `rounds` times interleaved."""
+                   log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+                   on_run: Callable[[dict[str, Any]], None] = lambda report: None) -> dict[str, Any]:
+    """Runs `plans` (one per request count) against every target, `rounds` times interleaved;
+    `on_run` gets the report so far after every target's run (a long run stopped keeps those)."""
     if rounds < 1:
         raise BenchError(f"--rounds must be >= 1, got {rounds}")
     started = [t for t in columns if t.kind is not None]
     if started and gguf is None:
         raise BenchError("starting a server peer needs the model's GGUF (--model)")
     slots = max(n for p in plans for n in p.counts())
-    runs = []
+    report = {"kind": "load-compare", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "model": str(gguf) if gguf else None, "threads": threads, "rounds": rounds, "slots": slots,
+              "targets": [{"label": t.label, "url": t.url,
+                           "about": t.kind.about if t.kind else "the server at --server"} for t in columns],
+              "runs": [], "summary": []}
     for r in range(rounds):
         for target in columns:
             job = ServeJob(gguf, threads, slots, seq_tokens(plans[0]), free_port()) if target.kind else None
-            runs.append({"round": r, "label": target.label, **_run_target(target, job, plans, load, log)})
-    return {"kind": "load-compare", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": str(gguf) if gguf else None, "threads": threads, "rounds": rounds, "slots": slots,
-            "targets": [{"label": t.label, "url": t.url, "about": t.kind.about if t.kind else "the server at --server"}
-                        for t in columns],
-            "runs": runs, "summary": summarize(runs, [t.label for t in columns])}
+            report["runs"].append({"round": r, "label": target.label, **_run_target(target, job, plans, load, log)})
+            report["summary"] = summarize(report["runs"], [t.label for t in columns])
+            on_run(report)
+    return report
 
 
 def _levels(runs: list[dict[str, Any]]) -> dict[tuple[str, int, int, str], dict[str, Any]]:
