@@ -217,3 +217,19 @@ def test_bench_starts_loom_serve_and_loads_it(tiny_llama_path: Path, tmp_path: P
         assert level["requests"] == count == level["ok"], level["error_samples"]
     assert [(r["requests"], r["rate"]) for r in report["summary"]] == [(2, "max"), (3, "max")]
     assert "output tok/s" in result.output
+
+
+def test_hf_export_writes_a_loadable_unquantized_model_once(tiny_llama_path: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoConfig
+
+    from loom.bench import hf_export
+
+    out = hf_export.export_hf(tiny_llama_path, tmp_path / "hf", log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert AutoConfig.from_pretrained(out).model_type == "llama"
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]          # no staging directory left
+    monkeypatch.setattr(hf_export, "shutil", None)                 # a second export would need it
+    assert hf_export.export_hf(tiny_llama_path, tmp_path / "hf", log=lambda m: None) == out
