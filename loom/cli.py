@@ -92,9 +92,11 @@ def bench(
     model: str = typer.Option(registry.DEFAULT_MODEL, "--model", "-m", help="Registry model name or GGUF path."),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1,
                                        help="Threads for every engine (default: physical cores)."),
-    peers: str = typer.Option("loom,transformers,llama.cpp", "--peers",
-                              help="Engines to measure, comma-separated: loom, loom:DTYPE (e.g. loom:float32), "
-                                   "transformers, llama.cpp. Missing packages are reported as skipped."),
+    peers: str | None = typer.Option(None, "--peers",
+                                     help="Engines to measure, comma-separated: loom, loom:DTYPE (e.g. loom:float32), "
+                                          "transformers, llama.cpp (default: all three). Missing packages are "
+                                          "reported as skipped. With --server: servers the bench starts on the "
+                                          "same GGUF and load-tests in turn: loom, llama-server, vllm."),
     dtype: str | None = typer.Option(None, "--dtype", help="dtype of the plain `loom` peer (default: loom's)."),
     concurrency: str | None = typer.Option(None, "--concurrency",
                                            help="Concurrent request counts (default: 1,4,16,32,64; quick: 1,4)."),
@@ -129,14 +131,19 @@ def bench(
     limit: int | None = typer.Option(None, "--limit", min=0,
                                      help="GSM8K problems of the --parallel quality suite (default 200; quick: 2; "
                                           "0 skips it)."),
-    server: str | None = typer.Option(None, "--server", metavar="URL",
+    server: str | None = typer.Option(None, "--server", metavar="URL|start",
                                       help="Load-test a running OpenAI-compatible server at URL instead (Poisson "
-                                           "arrivals at each of --rates; key from $OPENAI_API_KEY)."),
+                                           "arrivals at each of --rates; key from $OPENAI_API_KEY); 'start': only "
+                                           "the servers of --peers, started by the bench."),
     rates: str | None = typer.Option(None, "--rates",
                                      help="--server: request rates in req/s, 'max' = all at once "
                                           "(default: 0.25,0.5,1,2,4,8,max; quick: 1,max)."),
-    num_requests: int | None = typer.Option(None, "--num-requests", min=1,
-                                            help="--server: requests per rate (default: 32; quick: 4)."),
+    num_requests: str | None = typer.Option(None, "--num-requests",
+                                            help="--server: requests per rate (default: 32; quick: 4); several "
+                                                 "counts, comma-separated, run the ladder once each."),
+    rounds: int = typer.Option(1, "--rounds", min=1,
+                               help="--server with --peers: interleaved rounds over the servers (ratios are the "
+                                    "median of each round's)."),
     duration: float | None = typer.Option(None, "--duration", min=0.001,
                                           help="--server: send rate x SECONDS requests per rate instead."),
 ) -> None:
@@ -146,9 +153,9 @@ def bench(
     if server is not None:  # three modes: a load test of a server, speculative decoding, the peer suites
         from loom.bench.load_command import run_load_command
 
-        run_load_command(server, model=model, rates=rates, num_requests=num_requests, duration=duration,
-                         max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path, plot=plot,
-                         out=out, err=err)
+        run_load_command(server, model=model, rates=rates, num_requests=_int_list(num_requests, "--num-requests"),
+                         duration=duration, max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path,
+                         plot=plot, out=out, err=err, peers=peers, rounds=rounds, threads=threads)
         return
     from loom.bench.prompts import SPEC_BENCH_PATH
     from loom.config import physical_cores
@@ -158,7 +165,7 @@ def bench(
         _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
                     spec_repeats)
         return
-    _peer_bench(model, threads, prompts, peers, dtype, quick, json_path, plot, parallel,
+    _peer_bench(model, threads, prompts, peers or "loom,transformers,llama.cpp", dtype, quick, json_path, plot, parallel,
                 concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
                 prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
                 parallel_n=_int_list(parallel_n, "--parallel-n"))

@@ -1,43 +1,101 @@
-"""``loom bench --server URL``: turns the CLI flags into `LoadSettings`, runs the ladder under a
-progress bar and prints, saves and plots the report."""
+"""``loom bench --server URL|start [--peers ...]``: turns the CLI flags into `LoadSettings`, runs the
+ladder under a progress bar (against several servers in turn with --peers, see
+`loom.bench.server_compare`) and prints, saves and plots the report."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from loom.bench.load import (DEFAULT_MAX_TOKENS, DEFAULT_RATES, DEFAULT_REQUESTS, QUICK_RATES, LoadSettings,
                              parse_rates, run_load)
 from loom.bench.load_report import print_report, write_plots
 from loom.bench.prompts import SPEC_BENCH_PATH
+from loom.bench.server_compare import run_comparison, table, targets
+from loom.bench.settings import BenchError
+from loom.config import physical_cores
+from loom.loader.registry import resolve_model
 
 QUICK_REQUESTS = 4
 QUICK_MAX_TOKENS = 16
 
 
-def run_load_command(url: str, *, model: str | None, rates: str | None, num_requests: int | None,
-                     duration: float | None, max_tokens: int | None, quick: bool, prompts: Path | None,
-                     json_path: Path | None, plot: Path | None, out: Console, err: Console) -> None:
-    settings = LoadSettings(
-        url=url, model=model,
-        rates=parse_rates(rates) if rates is not None else (QUICK_RATES if quick else DEFAULT_RATES),
-        num_requests=num_requests if num_requests is not None or duration is not None
-        else (QUICK_REQUESTS if quick else DEFAULT_REQUESTS),
-        duration=duration, max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
-        prompts_path=prompts or SPEC_BENCH_PATH)
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
-        report = run_load(settings, progress)
-    print_report(report, out)
+COLUMNS = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: Sequence[int] | None,
+               duration: float | None, max_tokens: int | None, quick: bool,
+               prompts: Path | None) -> list[LoadSettings]:
+    """One `LoadSettings` per request count (one for --duration)."""
+    counts: Sequence[int | None] = ((None,) if duration is not None else
+                                    num_requests or ((QUICK_REQUESTS if quick else DEFAULT_REQUESTS),))
+    return [LoadSettings(url=url, model=model,
+                         rates=parse_rates(rates) if rates is not None else (QUICK_RATES if quick else DEFAULT_RATES),
+                         num_requests=n, duration=duration,
+                         max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
+                         prompts_path=prompts or SPEC_BENCH_PATH)
+            for n in counts]
+
+
+def _save(report: dict, json_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = json_path.with_name(json_path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(json_path)
+
+
+def _write_json(report: dict, json_path: Path | None, out: Console) -> None:
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         out.print(f"report written to {escape(str(json_path))}")
-    if plot is not None:
-        for path in write_plots(report, plot):
-            out.print(f"plot written to {escape(str(path))}")
+
+
+def run_load_command(url: str, *, model: str | None, rates: str | None, num_requests: Sequence[int] | None,
+                     duration: float | None, max_tokens: int | None, quick: bool, prompts: Path | None,
+                     json_path: Path | None, plot: Path | None, out: Console, err: Console,
+                     peers: str | None = None, rounds: int = 1, threads: int | None = None) -> None:
+    if num_requests is not None and (not num_requests or min(num_requests) < 1):
+        raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
+    plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
+                       max_tokens=max_tokens, quick=quick, prompts=prompts)
+    if url != "start" and not peers and len(plans) == 1:
+        with Progress(*COLUMNS, console=err, transient=True) as progress:
+            report = run_load(plans[0], progress)
+        print_report(report, out)
+        _write_json(report, json_path, out)
+        if plot is not None:
+            for path in write_plots(report, plot):
+                out.print(f"plot written to {escape(str(path))}")
+        return
+    _compare(url, plans, model, peers, rounds, threads, json_path, out, err)
+
+
+def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str | None, rounds: int,
+             threads: int | None, json_path: Path | None, out: Console, err: Console) -> None:
+    """The same plans against the server at `url` and/or the started --peers, interleaved."""
+    columns = targets(url, peers)
+    gguf = resolve_model(model) if model and any(t.kind for t in columns) else None
+    threads = threads or physical_cores()
+    with Progress(*COLUMNS, console=err, transient=True) as progress:
+        report = run_comparison(columns, plans, gguf, threads, rounds,
+                                load=lambda s: run_load(s, progress), log=lambda m: progress.console.print(escape(m)),
+                                on_run=lambda partial: _save(partial, json_path))
+    header, rows = table(report)
+    grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads, medians",
+                 title_justify="left")
+    for i, name in enumerate(header):
+        grid.add_column(name, justify="left" if i < 3 else "right")
+    for row in rows:
+        grid.add_row(*row)
+    out.print(grid)
+    for t in report["targets"]:
+        out.print(f"• {escape(t['label'])}: {escape(t['about'])}")
+    _write_json(report, json_path, out)

@@ -168,15 +168,31 @@ inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& 
   tile<V, BITS, MT, S>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
 }
 
+// Cache blocking. The tiles of one block column read its weights G times per MT rows and the
+// int8 codes of every activation row once, so either can be the operand that stays in cache.
+// Weights: a run of NC block columns (~GEMM_L2_WEIGHTS bytes) stays in L2; activations: MC rows
+// (~GEMM_L1_ACTS bytes of codes, a multiple of MT_MAX) stay in L1 while that run passes over
+// them. Without the M blocking, 32 rows of a 576-wide layer (18 KB of codes) plus the block
+// column left L1 and the 8-bit output matrix ran at a third of the 4-bit layers' rate.
+// Only the order of the tiles changes: each output is the same tile's same sum over groups.
+constexpr int64_t GEMM_L1_ACTS = 16 * 1024, GEMM_L2_WEIGHTS = 256 * 1024;
+
 template <class V, int BITS, typename S>
 void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
           bool accumulate) {
-  const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS;
+  const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S>();
+  const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / K / V::MT_MAX * V::MT_MAX);
+  const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const uint8_t* wb = w + nb * G * block_bytes<BITS, S>();
-      for (int64_t m0 = 0; m0 < M; m0 += V::MT_MAX)
-        tile_rows<V, BITS, S>(std::min<int64_t>(V::MT_MAX, M - m0), wb, G, qa, K, m0, y, ldy, nb * ROWS, N, accumulate);
+    for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
+      const int64_t nc1 = std::min(nc0 + NC, nb1);
+      for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
+        const int64_t mc1 = std::min(mc0 + MC, M);
+        for (int64_t nb = nc0; nb < nc1; ++nb)
+          for (int64_t m0 = mc0; m0 < mc1; m0 += V::MT_MAX)
+            tile_rows<V, BITS, S>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
+                                  nb * ROWS, N, accumulate);
+      }
     }
   });
 }

