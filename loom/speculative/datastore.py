@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +35,7 @@ from loom.errors import InvalidRequestError
 CANDIDATES = 8                     # continuations per look-up
 CORPUS_BYTES_PER_TOKEN = 12        # per n: a uint64 hash and an int32 position
 TOKEN_BYTES = 4
-RECENT_BYTES_PER_TOKEN = 160       # per n: a dict entry, its tuple key and a deque slot
+RECENT_BYTES_PER_TOKEN = 256       # per n: a dict entry, its tuple key, a list slot (measured: ~250 at worst)
 MAX_BYTES_PER_TOKEN = 16           # bytes of text per token at most, for the check before tokenizing
 POSITIONS_PER_GRAM = 4             # recent part: latest positions kept per n-gram
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -87,7 +87,7 @@ class Datastore:
         self.recent: OrderedDict[int, tuple[int, ...]] = OrderedDict()   # id -> tokens of finished outputs
         self.recent_size = 0
         self._stale = 0                # tokens of outputs that left since the dict was last rebuilt
-        self.grams: dict[tuple[int, ...], deque[tuple[int, int]]] = {}  # n-gram -> (output id, end offset)
+        self.grams: dict[tuple[int, ...], list[int]] = {}   # n-gram -> latest (output id << 32 | end offset)
         self._next_id = 0
         self._lock = threading.Lock()
         self._check(self._recent_bytes())
@@ -180,14 +180,21 @@ class Datastore:
     def _index_recent(self, rid: int, toks: tuple[int, ...]) -> None:
         for n in range(self.min_n, self.max_n + 1):
             for end in range(n, len(toks)):                # a continuation must follow
-                q = self.grams.setdefault(toks[end - n:end], deque(maxlen=POSITIONS_PER_GRAM))
-                q.append((rid, end))
+                q = self.grams.setdefault(toks[end - n:end], [])
+                q.append(rid << 32 | end)
+                if len(q) > POSITIONS_PER_GRAM:
+                    del q[0]
 
     def _recent_matches(self, tail: tuple[int, ...], k: int) -> list[list[int]]:
         hits = self.grams.get(tail)
         if not hits:
             return []
-        return [list(self.recent[rid][end:end + k]) for rid, end in reversed(hits) if rid in self.recent]
+        out = []
+        for hit in reversed(hits):
+            rid, end = hit >> 32, hit & 0xFFFFFFFF
+            if rid in self.recent:
+                out.append(list(self.recent[rid][end:end + k]))
+        return out
 
     # -- look-up ------------------------------------------------------------------------------
     def continuations(self, context: list[int], k: int) -> list[list[int]]:
