@@ -127,6 +127,8 @@ def bench(
                                                  "counts (default 2; quick: 1)."),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH",
                                               help="With --spec: the corpus of methods retrieval and auto."),
+    spec_llamacpp: bool = typer.Option(True, "--spec-llamacpp/--no-spec-llamacpp",
+                                       help="With --spec: also time llama.cpp with its prompt lookup (if installed)."),
     markdown: Path | None = typer.Option(None, "--markdown",
                                          help="With --spec: write the docs/benchmarks.md section here."),
     parallel: bool = typer.Option(False, "--parallel",
@@ -165,7 +167,7 @@ def bench(
     threads, prompts = threads or physical_cores(), prompts or SPEC_BENCH_PATH
     if spec:
         _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
-                    spec_repeats, spec_datastore)
+                    spec_repeats, spec_datastore, spec_llamacpp)
         return
     _peer_bench(model, threads, prompts, peers, dtype, quick, json_path, plot, parallel,
                 concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
@@ -203,7 +205,7 @@ def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str 
 
 def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
                 markdown: Path | None, per_category: int | None, methods: str | None,
-                repeats: int | None, datastore: str | None) -> None:
+                repeats: int | None, datastore: str | None, llamacpp: bool = True) -> None:
     from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines
     from loom.bench.settings import BenchError
 
@@ -216,6 +218,7 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
         settings = dataclasses.replace(settings, repeats=repeats)
     if datastore:
         settings = dataclasses.replace(settings, datastore=datastore)
+    settings = dataclasses.replace(settings, llamacpp=llamacpp)
     if methods:
         chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
         unknown = [m for m in chosen if m not in METHODS + ("draft_model",)]

@@ -38,6 +38,7 @@ class SpecBenchSettings:
     dtype: str = "auto"
     repeats: int = 2                 # runs of every engine, interleaved; the fastest counts
     datastore: str | None = None     # corpus of methods retrieval and auto
+    llamacpp: bool = True            # also time llama.cpp with and without its prompt lookup (if installed)
 
     @classmethod
     def preset(cls, quick: bool) -> "SpecBenchSettings":
@@ -191,7 +192,7 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
         for method in settings.methods:
             m = row[method]
             m["accepted_per_draft"] = m["num_accepted_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0
-        for label, lookup in (("llama.cpp", False), ("llama.cpp+lookup", True)):
+        for label, lookup in (("llama.cpp", False), ("llama.cpp+lookup", True)) if settings.llamacpp else ():
             res = _llamacpp_run(path, threads, prompts, settings.max_tokens, lookup)
             if res is not None:
                 row[label] = {"single": res}
