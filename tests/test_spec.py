@@ -22,7 +22,7 @@ from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.model.layers.attention import tree_attention_mask
 from loom.sampling_params import SamplingParams
-from loom.speculative.controller import SpecController
+from loom.speculative.controller import CostModel, SpecController
 from loom.speculative.drafters.prompt_lookup import lookup
 from loom.speculative.verify import verify_greedy, verify_sampled
 
@@ -277,6 +277,11 @@ def test_retrieval_drafts_and_the_draft_budget_keep_the_target_distribution(tiny
     spec = {"method": "retrieval", "adaptive": adaptive, "num_speculative_tokens": 3,
             "datastore": str(tmp_path / "corpus.txt")}
     engine = tiny_engine(tiny_parts, spec, max_num_seqs=200, max_num_batched_tokens=1024)
+    if adaptive:   # a cost model where drafts pay (a shared machine's timings could say otherwise)
+        cost = engine.runner.spec.controller.cost = CostModel()
+        for b in (1, 8, 64, 256):
+            cost.calibrate(b, 0, 1.0)
+            cost.calibrate(b, 3 * b, 1.0 + 0.001 * b)
     drafted = sampled_pairs(engine, prompt)
     assert engine.runner.spec.stats.num_accepted_tokens > 0
     cells = sorted(set(plain) | set(drafted))
