@@ -79,9 +79,10 @@ def test_missing_unreadable_and_too_big_datastores_are_refused_in_one_line(tmp_p
         Datastore(1, 4, 64, 0).load(str(tmp_path), words)
     assert "\n" not in str(e.value)
     bad.unlink()
-    (tmp_path / "rows.jsonl").write_text('{"title": "no text"}\n')
-    with pytest.raises(InvalidRequestError, match="line 1"):
-        Datastore(1, 4, 64, 0).load(str(tmp_path), words)
+    for row in ('{"title": "no text"}', '{"text": 3}', "not json"):
+        (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n' + row + "\n")
+        with pytest.raises(InvalidRequestError, match="line 2"):
+            Datastore(1, 4, 64, 0).load(str(tmp_path), words)
     (tmp_path / "rows.jsonl").unlink()
     (tmp_path / "big.txt").write_text("w " * 200_000)
     with pytest.raises(InvalidRequestError, match=r"datastore_max_mb=0\.5 MB"):

@@ -69,7 +69,10 @@ def _documents(path: Path) -> list[str]:
             for i, line in enumerate(text.splitlines()):
                 if line.strip():
                     try:
-                        docs.append(json.loads(line)["text"])
+                        doc = json.loads(line)["text"]
+                        if not isinstance(doc, str):
+                            raise TypeError
+                        docs.append(doc)
                     except (ValueError, KeyError, TypeError):
                         raise InvalidRequestError(f"speculative_config datastore: {f} line {i + 1} is not a JSON "
                                                   f"object with a \"text\" string") from None
