@@ -110,7 +110,8 @@ def bench(
     prefill_tokens: int | None = typer.Option(None, "--prefill-tokens", min=1,
                                               help="Prompt length of the prefill run (default: 512; quick: 64)."),
     max_tokens: int | None = typer.Option(
-        None, "--max-tokens", min=2, help="New tokens per request in the concurrency runs (default: 64; quick: 8)."),
+        None, "--max-tokens", min=2, help="New tokens per request in the concurrency runs (default: 64; quick: 8); with --spec: "
+                              "per request of every run (default: 128; quick: 32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG charts into this directory."),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
@@ -167,7 +168,7 @@ def bench(
     threads, prompts = threads or physical_cores(), prompts or SPEC_BENCH_PATH
     if spec:
         _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
-                    spec_repeats, spec_datastore, spec_llamacpp)
+                    spec_repeats, spec_datastore, spec_llamacpp, max_tokens)
         return
     _peer_bench(model, threads, prompts, peers, dtype, quick, json_path, plot, parallel,
                 concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
@@ -205,7 +206,8 @@ def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str 
 
 def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
                 markdown: Path | None, per_category: int | None, methods: str | None,
-                repeats: int | None, datastore: str | None, llamacpp: bool = True) -> None:
+                repeats: int | None, datastore: str | None, llamacpp: bool = True,
+                max_tokens: int | None = None) -> None:
     from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines
     from loom.bench.settings import BenchError
 
@@ -219,6 +221,8 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
     if datastore:
         settings = dataclasses.replace(settings, datastore=datastore)
     settings = dataclasses.replace(settings, llamacpp=llamacpp)
+    if max_tokens:
+        settings = dataclasses.replace(settings, max_tokens=max_tokens)
     if methods:
         chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
         unknown = [m for m in chosen if m not in METHODS + ("draft_model",)]
