@@ -1,6 +1,7 @@
 """`loom bench --spec`: speculative decoding per Spec-Bench category.
 
-Per category, on the same chat-formatted prompts and greedy decoding:
+Per category, on the same prompts (chat-formatted where the model has a chat template) and
+greedy decoding:
 
     single stream   each prompt alone: output tokens / seconds, summed over the prompts
     8 concurrent    8 prompts at once: output tokens / wall seconds
@@ -56,7 +57,9 @@ def _prompts(path: Path, tok, s: SpecBenchSettings) -> dict[str, list[list[int]]
         row = json.loads(line)
         cat = row["category"]
         if len(by_cat[cat]) < s.prompts_per_category:
-            ids = tok.encode_chat([{"role": "user", "content": row["turns"][0]}], add_generation_prompt=True)
+            text = row["turns"][0]   # chat-formatted where the model has a template (Gemma 3's GGUF has none)
+            ids = (tok.encode(text) if tok.chat_template is None else
+                   tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True))
             if len(ids) <= s.prompt_tokens:
                 by_cat[cat].append(ids)
     return {c: p for c, p in by_cat.items() if p}
