@@ -245,11 +245,13 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
     """A Markdown table per method: the `--spec` section of docs/benchmarks.md."""
     s = report["settings"]
     lines = [f"## Speculative decoding ({report['model']}, {report['threads']} threads)", "",
-             f"Spec-Bench, {s['prompts_per_category']} chat prompts per category, greedy, {s['max_tokens']} new "
+             f"Spec-Bench, {s['prompts_per_category']} prompt(s) per category (chat-formatted where the model has a "
+             f"chat template), greedy, {s['max_tokens']} new "
              f"tokens, dtype {s['dtype']}. Speedups are of decode speed (output tokens after the first, over the "
              f"time after the first; speculation cannot change the prompt's prefill) with speculation over "
              f"without; e2e = whole requests, prefill included; vs llama.cpp = decode speed over llama.cpp with "
-             f"`LlamaPromptLookupDecoding` (single stream).", ""]
+             f"`LlamaPromptLookupDecoding` (single stream); tokens / step: single stream, prefill steps included; "
+             f"accepted / draft: single stream.", ""]
     lines += _summary(report)
     for method in s["methods"]:
         lines += [f"### `{method}`", "",
