@@ -87,6 +87,13 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=flag) from None
 
 
+SPEC_CONFIG_HELP = ('Speculative decoding as JSON, e.g. \'{"method": "auto"}\' (methods: prompt_lookup, '
+                    'token_recycling, lookahead, draft_model, retrieval, auto).')
+SPEC_DATASTORE_HELP = ("A corpus the retrieval drafter copies from: a text file or a directory of them (.jsonl: each "
+                       "line's \"text\"); alone it turns on method retrieval, with --speculative-config it adds "
+                       "the corpus to that method.")
+
+
 @app.command()
 def bench(
     model: str = typer.Option(registry.DEFAULT_MODEL, "--model", "-m", help="Registry model name or GGUF path."),
@@ -105,7 +112,8 @@ def bench(
     prefill_tokens: int | None = typer.Option(None, "--prefill-tokens", min=1,
                                               help="Prompt length of the prefill run (default: 512; quick: 64)."),
     max_tokens: int | None = typer.Option(
-        None, "--max-tokens", min=2, help="New tokens per request in the concurrency runs (default: 64; quick: 8)."),
+        None, "--max-tokens", min=2, help="New tokens per request in the concurrency runs (default: 64; quick: 8); with --spec: "
+                              "per request of every run (default: 128; quick: 32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG charts into this directory."),
     quick: bool = typer.Option(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
@@ -116,10 +124,14 @@ def bench(
                                             help="With --spec: prompts per category (default 4; quick: 1)."),
     spec_methods: str | None = typer.Option(None, "--spec-methods",
                                             help="With --spec: methods, comma-separated (default: "
-                                                 "prompt_lookup,token_recycling,lookahead,auto)."),
+                                                 "prompt_lookup,token_recycling,lookahead,retrieval,auto)."),
     spec_repeats: int | None = typer.Option(None, "--spec-repeats", min=1,
                                             help="With --spec: runs of every engine, interleaved; the fastest "
                                                  "counts (default 2; quick: 1)."),
+    spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH",
+                                              help="With --spec: the corpus of methods retrieval and auto."),
+    spec_llamacpp: bool = typer.Option(True, "--spec-llamacpp/--no-spec-llamacpp",
+                                       help="With --spec: also time llama.cpp with its prompt lookup (if installed)."),
     markdown: Path | None = typer.Option(None, "--markdown",
                                          help="With --spec: write the docs/benchmarks.md section here."),
     parallel: bool = typer.Option(False, "--parallel",
@@ -163,7 +175,7 @@ def bench(
     threads, prompts = threads or physical_cores(), prompts or SPEC_BENCH_PATH
     if spec:
         _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
-                    spec_repeats)
+                    spec_repeats, spec_datastore, spec_llamacpp, max_tokens)
         return
     _peer_bench(model, threads, prompts, peers or "loom,transformers,llama.cpp", dtype, quick, json_path, plot, parallel,
                 concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
@@ -201,7 +213,8 @@ def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str 
 
 def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
                 markdown: Path | None, per_category: int | None, methods: str | None,
-                repeats: int | None) -> None:
+                repeats: int | None, datastore: str | None, llamacpp: bool = True,
+                max_tokens: int | None = None) -> None:
     from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines
     from loom.bench.settings import BenchError
 
@@ -212,11 +225,17 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
         settings = dataclasses.replace(settings, prompts_per_category=per_category)
     if repeats:
         settings = dataclasses.replace(settings, repeats=repeats)
+    if datastore:
+        settings = dataclasses.replace(settings, datastore=datastore)
+    settings = dataclasses.replace(settings, llamacpp=llamacpp)
+    if max_tokens:
+        settings = dataclasses.replace(settings, max_tokens=max_tokens)
     if methods:
         chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
         unknown = [m for m in chosen if m not in METHODS + ("draft_model",)]
         if unknown or not chosen:
-            raise BenchError(f"--spec-methods: unknown method(s) {', '.join(unknown) or '(none given)'}")
+            raise BenchError(f"--spec-methods: unknown method(s) {', '.join(unknown) or '(none given)'} "
+                             f"(choices: {', '.join(METHODS + ('draft_model',))})")
         settings = dataclasses.replace(settings, methods=chosen)
     report = run_spec_bench(model, threads, prompts, settings, log=lambda m: err.print(escape(m)))
     text = "\n".join(spec_lines(report))
@@ -251,9 +270,8 @@ def serve(
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV of shared prompt prefixes."),
     seed: int = typer.Option(0, help="Seed of unseeded sampling."),
-    speculative_config: str | None = typer.Option(
-        None, "--speculative-config", help='Speculative decoding as JSON, e.g. \'{"method": "auto"}\' '
-                                           '(methods: prompt_lookup, token_recycling, lookahead, draft_model, auto).'),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
+    spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
@@ -292,7 +310,7 @@ def serve(
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                  num_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=prefix_caching, seed=seed,
-                                 speculative_config=_json_option(speculative_config, "--speculative-config"))
+                                 speculative_config=_speculative(speculative_config, spec_datastore))
     if cluster is not None:
         from loom.cluster.launch import run_cluster
 
@@ -331,6 +349,18 @@ def _json_option(text: str | None, flag: str):
         raise typer.BadParameter(f"expected a JSON object, got {text!r} ({e})", param_hint=flag) from None
 
 
+def _speculative(text: str | None, datastore: str | None):
+    """--speculative-config JSON with --spec-datastore merged in (alone it means method retrieval)."""
+    spec = _json_option(text, "--speculative-config")
+    if datastore is None:
+        return spec
+    if spec is None:
+        return {"method": "retrieval", "datastore": datastore}
+    if not isinstance(spec, dict):
+        return spec          # refused by the config, naming what it expects
+    return spec | {"datastore": datastore}
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (with --chat: the user's message)."),
@@ -344,6 +374,8 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
     threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
+    speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
+    spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
 ) -> None:
     """Generate a completion for one prompt, streaming text to stdout as it is produced."""
     from loom.config import EngineConfig
@@ -352,7 +384,8 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_tokens=max_tokens, ignore_eos=ignore_eos)
-    engine = Engine(EngineConfig.create(model, threads=threads))
+    engine = Engine(EngineConfig.create(model, threads=threads,
+                                        speculative_config=_speculative(speculative_config, spec_datastore)))
     if chat:
         messages = [{"role": "user", "content": prompt}]
         request = {"prompt": engine.tokenizer.apply_chat_template(messages),

@@ -92,7 +92,7 @@ class SchedulerConfig:
 # dict, as in vLLM: LLM(model, speculative_config={"method": "prompt_lookup"}) or
 # loom serve --speculative-config '{"method": "auto"}'. Unknown keys and bad values raise
 # InvalidRequestError naming them.
-SPECULATIVE_METHODS = ("prompt_lookup", "token_recycling", "lookahead", "draft_model", "auto")
+SPECULATIVE_METHODS = ("prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto")
 
 
 @dataclass(frozen=True)
@@ -108,13 +108,19 @@ class SpeculativeConfig:
     lookahead_guesses: int = 4         # most pool n-grams per step
     model: str | None = None           # draft_model: GGUF path or registry name (default: the target)
     num_layers: int | None = None      # draft_model: keep only the first n layers
+    datastore: str | None = None       # retrieval (and auto): a corpus to draft from, a file or a directory
+    datastore_max_mb: float = 1024     # retrieval: most memory its datastore may take; more is refused
+    datastore_recent_tokens: int = 65536   # retrieval: tokens of finished requests kept to draft from (0: none)
+    retrieval_min: int = 2             # n-gram sizes the datastore matches, longest first
+    retrieval_max: int = 6
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise InvalidRequestError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                                       f"got {self.method!r}")
         ints = {"num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 1,
-                "recycling_top_k": 1, "lookahead_window": 1, "lookahead_ngram": 2, "lookahead_guesses": 0}
+                "recycling_top_k": 1, "lookahead_window": 1, "lookahead_ngram": 2, "lookahead_guesses": 0,
+                "datastore_recent_tokens": 0, "retrieval_min": 1, "retrieval_max": 1}
         for name, low in ints.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -125,6 +131,10 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                                       f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.retrieval_min > self.retrieval_max:
+            raise InvalidRequestError(f"speculative_config retrieval_min ({self.retrieval_min}) exceeds "
+                                      f"retrieval_max ({self.retrieval_max})")
+        self._check_datastore()
         if not isinstance(self.adaptive, bool):
             raise InvalidRequestError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
         if self.num_layers is not None and (isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int)
@@ -135,6 +145,22 @@ class SpeculativeConfig:
             raise InvalidRequestError(f"speculative_config model must be a path or model name, got {self.model!r}")
         if self.method != "draft_model" and (self.model is not None or self.num_layers is not None):
             raise InvalidRequestError("speculative_config model and num_layers apply to method 'draft_model' only")
+
+    def _check_datastore(self) -> None:
+        mb = self.datastore_max_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+            raise InvalidRequestError(f"speculative_config datastore_max_mb must be a positive number, got {mb!r}")
+        if self.datastore is None:
+            return
+        if not isinstance(self.datastore, str):
+            raise InvalidRequestError(f"speculative_config datastore must be a path, got {self.datastore!r}")
+        if self.method not in ("retrieval", "auto"):
+            raise InvalidRequestError("speculative_config datastore applies to methods 'retrieval' and 'auto' only")
+        path = os.path.expanduser(self.datastore)
+        if not os.path.exists(path):
+            raise InvalidRequestError(f"speculative_config datastore: no such file or directory: {self.datastore}")
+        if not os.access(path, os.R_OK):
+            raise InvalidRequestError(f"speculative_config datastore: cannot read {self.datastore}")
 
     @classmethod
     def create(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":

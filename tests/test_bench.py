@@ -311,4 +311,21 @@ def test_spec_bench_keeps_each_engines_fastest_run_and_adds_up_its_drafts() -> N
 
 def test_spec_bench_rejects_unknown_methods(tiny_llama_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "--spec", "--model", str(tiny_llama_path), "--spec-methods", "psychic"])
-    assert result.exit_code == 1 and "psychic" in result.output
+    assert result.exit_code == 1 and "psychic" in result.output and "retrieval" in result.output
+
+
+def test_spec_bench_gives_retrieval_its_datastore_and_refuses_a_missing_one(tiny_llama_path: Path, prompts_file: Path,
+                                                                           tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(load_spec_bench(prompts_file)))
+    out = tmp_path / "spec.json"
+    args = ["bench", "--spec", "--quick", "--model", str(tiny_llama_path), "--threads", "1", "--prompts",
+            str(prompts_file), "--spec-methods", "retrieval,auto", "--json", str(out)]
+    result = CliRunner().invoke(app, args + ["--spec-datastore", str(corpus)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["settings"]["datastore"] == str(corpus)
+    assert "| `retrieval` |" in result.output and "| `auto` |" in result.output     # the summary table
+    missing = CliRunner().invoke(app, args + ["--spec-datastore", str(tmp_path / "nope")])
+    assert missing.exit_code == 1 and "no such file or directory" in missing.output
+    assert len(missing.output.strip().splitlines()) == 1

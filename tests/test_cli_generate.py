@@ -119,6 +119,25 @@ def test_generate_rejects_bad_parameters_in_one_line(tiny_llama_path):
     assert len(lines) == 1 and "temperature" in lines[0] and "Traceback" not in res.stderr
 
 
+def test_generate_with_a_retrieval_datastore_matches_plain_greedy_output(tiny_llama_path, tmp_path):
+    text, _ = expected(str(tiny_llama_path), "The river runs", temperature=0.0, max_tokens=12, ignore_eos=True)
+    (tmp_path / "corpus.txt").write_text("The river runs" + text)
+    res = loom_cli("generate", "-m", str(tiny_llama_path), "The river runs", "--max-tokens", "12", "--ignore-eos",
+                   "--temperature", "0", "--threads", "1", "--spec-datastore", str(tmp_path / "corpus.txt"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == text + "\n"
+
+
+def test_generate_refuses_a_missing_datastore_or_an_unknown_option_in_one_line(tiny_llama_path, tmp_path):
+    for args, needle in ((["--spec-datastore", str(tmp_path / "nope")], "no such file or directory"),
+                         (["--speculative-config", '{"method": "auto", "datastor": "x"}'], "datastore_max_mb"),
+                         (["--speculative-config", '{"method": "medusa"}'], "retrieval")):
+        res = loom_cli("generate", "-m", str(tiny_llama_path), "hi", "--threads", "1", *args)
+        assert res.returncode == 1
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.stderr, res.stderr
+
+
 @pytest.mark.real_model
 def test_generate_chat_on_smollm2(real_models):
     res = loom_cli("generate", "-m", "smollm2-135m", "What is the capital of France?", "--chat",

@@ -22,11 +22,11 @@ from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.model.layers.attention import tree_attention_mask
 from loom.sampling_params import SamplingParams
-from loom.speculative.controller import SpecController
+from loom.speculative.controller import CostModel, SpecController
 from loom.speculative.drafters.prompt_lookup import lookup
 from loom.speculative.verify import verify_greedy, verify_sampled
 
-METHODS = ["prompt_lookup", "token_recycling", "lookahead", "draft_model", "auto"]
+METHODS = ["prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto"]
 
 
 def method_config(method: str, **extra) -> dict:
@@ -253,6 +253,53 @@ def test_sampled_outputs_follow_the_target_distribution_in_the_engine(tiny_parts
     assert chi_square_p(spec, pooled) > 1e-3
 
 
+def sampled_pairs(engine: Engine, prompt: list[int], n: int = 200) -> list[tuple[int, int]]:
+    """The first two tokens of n seeded three-token completions of `prompt`."""
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    ids = [engine.add_request({"prompt_token_ids": prompt}, p) for p in params]
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    return [tuple(final[i].outputs[0].token_ids[:2]) for i in ids]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_retrieval_drafts_and_the_draft_budget_keep_the_target_distribution(tiny_parts, tmp_path, adaptive):
+    """Retrieval drafts from a corpus holding the prompt and its greedy continuation, with a
+    fixed draft size and with the controller's per-step budget: the chi-square of the (first,
+    second) token pairs against the pooled frequencies of a run without speculation."""
+    _, _, tok = tiny_parts
+    prompt = REPEATING[1]
+    greedy_out = run(tiny_engine(tiny_parts), [prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                      ignore_eos=True))[0].token_ids
+    (tmp_path / "corpus.txt").write_text(tok.decode(list(prompt) + list(greedy_out)))
+    plain = sampled_pairs(tiny_engine(tiny_parts, max_num_seqs=200, max_num_batched_tokens=1024), prompt)
+    spec = {"method": "retrieval", "adaptive": adaptive, "num_speculative_tokens": 3,
+            "datastore": str(tmp_path / "corpus.txt")}
+    engine = tiny_engine(tiny_parts, spec, max_num_seqs=200, max_num_batched_tokens=1024)
+    if adaptive:   # a cost model where drafts pay (a shared machine's timings could say otherwise)
+        cost = engine.runner.spec.controller.cost = CostModel()
+        for b in (1, 8, 64, 256):
+            cost.calibrate(b, 0, 1.0)
+            cost.calibrate(b, 3 * b, 1.0 + 0.001 * b)
+    drafted = sampled_pairs(engine, prompt)
+    assert engine.runner.spec.stats.num_accepted_tokens > 0
+    cells = sorted(set(plain) | set(drafted))
+    a = torch.tensor([plain.count(c) for c in cells], dtype=torch.float64)
+    b = torch.tensor([drafted.count(c) for c in cells], dtype=torch.float64)
+    assert chi_square_p(b, (a + b) / (a + b).sum()) > 1e-3
+
+
+def test_retrieval_drafts_from_earlier_requests_outputs(tiny_parts):
+    """Without a corpus, a request repeating an earlier one drafts from its output, exactly."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = tiny_engine(tiny_parts, method_config("retrieval"))
+    first = run(engine, [REPEATING[2]], params)[0].token_ids
+    before = engine.runner.spec.stats.num_accepted_tokens
+    assert run(engine, [REPEATING[2]], params)[0].token_ids == first
+    assert engine.runner.spec.stats.num_accepted_tokens - before >= 16
+
+
 def test_spec_metrics_are_exported_with_vllm_names(tiny_parts):
     from loom.server.metrics import ServerMetrics, read_engine_sample
 
@@ -319,12 +366,17 @@ def greedy() -> SamplingParams:
 @pytest.mark.real_model
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, category_prompts, method, dtype):
+def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, category_prompts, method, dtype,
+                                                               tmp_path):
     prompts, want = category_prompts(dtype)
     assert len(prompts) >= 13
     spec = method_config(method, num_speculative_tokens=3)
     if method == "draft_model":
         spec["num_layers"] = 4
+    if method == "retrieval":   # a corpus that holds every other category's prompt and answer
+        _, tok = real_models.loom(SMOL)
+        (tmp_path / "corpus.txt").write_text("\n".join(tok.decode(p + w) for p, w in list(zip(prompts, want))[::2]))
+        spec["datastore"] = str(tmp_path / "corpus.txt")
     batched = real_models.engine(SMOL, dtype, block_size=16, num_blocks=256, max_num_batched_tokens=2048,
                                  speculative_config=spec)
     got = [o.token_ids for o in run(batched, prompts, greedy(), check=True)]
@@ -419,3 +471,24 @@ def test_controller_skips_the_search_for_a_few_steps_after_one_that_found_no_dra
     for _ in range(IDLE_REPLAN - 1):
         assert ctl.plan(ids, 8, [8] * 8, 0.0) == [0] * 8
     assert sum(ctl.plan(ids, 8, [8] * 8, 0.0)) > 0
+
+
+def test_the_draft_budget_goes_to_the_rows_most_accepted_and_shrinks_to_zero_when_compute_bound():
+    """TETRIS-style budgeting: a roofline cost (memory-bound: extra tokens free up to ~8 in a
+    step; compute-bound past it), rows with high and low acceptance."""
+    ctl = SpecController(8, depth=lambda k: k)
+    for b in (1, 2, 4, 8, 16):
+        for x in (0, b, 2 * b, 4 * b, 8 * b):
+            ctl.cost.calibrate(b, x, max(0.010, 0.0012 * (b + x)))
+    for _ in range(20):
+        for i in range(16):
+            ctl.record(f"s{i}", 4 if i % 2 == 0 else 0, 4)     # even rows accepted, odd ones not
+    totals = {}
+    for b in (1, 2, 4, 8, 16):
+        ids = [f"s{i}" for i in range(b)]
+        sizes = ctl.plan(ids, b, [8] * b, 0.0)
+        totals[b] = sum(sizes)
+        assert all(sizes[i] >= sizes[i + 1] for i in range(0, b - 1, 2))   # accepted rows first
+    assert totals[1] > 0 and totals[2] > 0
+    assert totals[16] == 0
+    assert all(totals[a] >= totals[b] for a, b in ((1, 4), (4, 8), (8, 16)))

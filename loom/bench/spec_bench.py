@@ -1,6 +1,7 @@
 """`loom bench --spec`: speculative decoding per Spec-Bench category.
 
-Per category, on the same chat-formatted prompts and greedy decoding:
+Per category, on the same prompts (chat-formatted where the model has a chat template) and
+greedy decoding:
 
     single stream   each prompt alone: output tokens / seconds, summed over the prompts
     8 concurrent    8 prompts at once: output tokens / wall seconds
@@ -16,6 +17,7 @@ per step, and speedups over plain loom and over llama.cpp's prompt lookup.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from typing import Any
 
 from loom.bench.settings import BenchError
 
-METHODS = ("prompt_lookup", "token_recycling", "lookahead", "auto")
+METHODS = ("prompt_lookup", "token_recycling", "lookahead", "retrieval", "auto")
 CONCURRENCY = 8
 
 
@@ -36,6 +38,8 @@ class SpecBenchSettings:
     methods: tuple[str, ...] = METHODS
     dtype: str = "auto"
     repeats: int = 2                 # runs of every engine, interleaved; the fastest counts
+    datastore: str | None = None     # corpus of methods retrieval and auto
+    llamacpp: bool = True            # also time llama.cpp with and without its prompt lookup (if installed)
 
     @classmethod
     def preset(cls, quick: bool) -> "SpecBenchSettings":
@@ -53,7 +57,9 @@ def _prompts(path: Path, tok, s: SpecBenchSettings) -> dict[str, list[list[int]]
         row = json.loads(line)
         cat = row["category"]
         if len(by_cat[cat]) < s.prompts_per_category:
-            ids = tok.encode_chat([{"role": "user", "content": row["turns"][0]}], add_generation_prompt=True)
+            text = row["turns"][0]   # chat-formatted where the model has a template (Gemma 3's GGUF has none)
+            ids = (tok.encode(text) if tok.chat_template is None else
+                   tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True))
             if len(ids) <= s.prompt_tokens:
                 by_cat[cat].append(ids)
     return {c: p for c, p in by_cat.items() if p}
@@ -94,6 +100,13 @@ def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: boo
             decode_tokens += group_tokens - len(ids)
             decode_seconds += end - t_decode
     return _speeds(tokens, seconds, decode_tokens, decode_seconds) | {"steps": steps}
+
+
+def _spec_config(method: str, settings: SpecBenchSettings) -> dict:
+    spec = {"method": method}
+    if settings.datastore is not None and method in ("retrieval", "auto"):
+        spec["datastore"] = settings.datastore
+    return spec
 
 
 def _fastest(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
@@ -169,17 +182,20 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
         # of each engine counts, which keeps one slow moment of the machine out of a ratio.
         for _ in range(settings.repeats):
             for label in ("loom",) + settings.methods:
-                e = engine(None if label == "loom" else {"method": label})
-                entry = {"single": _loom_run(e, prompts, settings.max_tokens, False),
-                         "concurrent": _loom_run(e, batch, settings.max_tokens, True)}
+                spec = None if label == "loom" else _spec_config(label, settings)
+                # a fresh engine per mode: the concurrent run repeats the single-stream prompts, whose
+                # outputs a drafter that remembers finished requests (retrieval) would copy
+                single, concurrent = engine(spec), engine(spec)
+                entry = {"single": _loom_run(single, prompts, settings.max_tokens, False),
+                         "concurrent": _loom_run(concurrent, batch, settings.max_tokens, True)}
                 if label != "loom":
-                    st = e.spec.stats
+                    st = single.spec.stats
                     entry |= {"num_drafts": st.num_drafts, "num_accepted_tokens": st.num_accepted_tokens}
                 row[label] = _fastest(row.get(label), entry)
         for method in settings.methods:
             m = row[method]
             m["accepted_per_draft"] = m["num_accepted_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0
-        for label, lookup in (("llama.cpp", False), ("llama.cpp+lookup", True)):
+        for label, lookup in (("llama.cpp", False), ("llama.cpp+lookup", True)) if settings.llamacpp else ():
             res = _llamacpp_run(path, threads, prompts, settings.max_tokens, lookup)
             if res is not None:
                 row[label] = {"single": res}
@@ -208,24 +224,46 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def _summary(report: dict[str, Any]) -> list[str]:
+    """Per method: geometric mean and lowest decode speedup over the categories, alone and concurrent."""
+    lines = ["| method | single geomean | single min | "
+             f"{CONCURRENCY} concurrent geomean | {CONCURRENCY} concurrent min |", "|---|---:|---:|---:|---:|"]
+    for method in report["settings"]["methods"]:
+        cells = []
+        for mode in ("single", "concurrent"):
+            ratios = [r for row in report["categories"].values() if (r := _speedups(row, method)[mode]) is not None]
+            cells += [_x(_geomean(ratios)), _x(min(ratios, default=None))]
+        lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def spec_lines(report: dict[str, Any]) -> list[str]:
     """A Markdown table per method: the `--spec` section of docs/benchmarks.md."""
     s = report["settings"]
     lines = [f"## Speculative decoding ({report['model']}, {report['threads']} threads)", "",
-             f"Spec-Bench, {s['prompts_per_category']} chat prompts per category, greedy, {s['max_tokens']} new "
+             f"Spec-Bench, {s['prompts_per_category']} prompt(s) per category (chat-formatted where the model has a "
+             f"chat template), greedy, {s['max_tokens']} new "
              f"tokens, dtype {s['dtype']}. Speedups are of decode speed (output tokens after the first, over the "
              f"time after the first; speculation cannot change the prompt's prefill) with speculation over "
              f"without; e2e = whole requests, prefill included; vs llama.cpp = decode speed over llama.cpp with "
-             f"`LlamaPromptLookupDecoding` (single stream).", ""]
+             f"`LlamaPromptLookupDecoding` (single stream); tokens / step: single stream, prefill steps included; "
+             f"accepted / draft: single stream.", ""]
+    lines += _summary(report)
     for method in s["methods"]:
         lines += [f"### `{method}`", "",
-                  "| category | accepted / draft | single decode tok/s | single speedup | single e2e speedup | "
-                  f"{CONCURRENCY} concurrent speedup | vs llama.cpp lookup |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| category | accepted / draft | tokens / step | single decode tok/s | single speedup | "
+                  f"single e2e speedup | {CONCURRENCY} concurrent speedup | vs llama.cpp lookup |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for cat, row in report["categories"].items():
             sp = _speedups(row, method)
-            lines.append(f"| {cat} | {row[method]['accepted_per_draft']:.2f} | "
-                         f"{row[method]['single']['decode_tok_s']:.1f} | {_x(sp['single'])} | "
+            single = row[method]["single"]
+            per_step = single["tokens"] / single["steps"] if single.get("steps") else 0.0
+            lines.append(f"| {cat} | {row[method]['accepted_per_draft']:.2f} | {per_step:.2f} | "
+                         f"{single['decode_tok_s']:.1f} | {_x(sp['single'])} | "
                          f"{_x(sp['single_e2e'])} | {_x(sp['concurrent'])} | {_x(sp['llama.cpp'])} |")
         lines.append("")
     return lines

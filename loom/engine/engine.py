@@ -16,6 +16,7 @@ from loom.engine.groups import ChildSpec, FanOutOptions, RequestGroups, child_re
 from loom.engine.request import Request, RequestStatus, check_token_ids
 from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
+from loom.loader.cache import file_sha256
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import Tokenizer
@@ -73,7 +74,7 @@ class Engine:
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
                                   seed=config.seed, spec=self.spec, structured=self.structured)
         if self.spec is not None and config.speculative.adaptive:
-            self.spec.calibrate(self.runner.timed_forward, config.scheduler.max_num_seqs)
+            self.spec.calibrate(self.runner.timed_forward, config.scheduler.max_num_seqs, self._cost_identity())
         self.outputs: dict[str, OutputState] = {}
         self.groups = RequestGroups(self)  # n > 1 / best_of requests: children sharing KV (engine/groups.py)
         self._ids = itertools.count()
@@ -87,7 +88,12 @@ class Engine:
         if spec is None:
             return None
         return SpecDecoder(spec, DraftEnv(self.model, self.config.load.linear_mode, num_blocks,
-                                          self.config.cache.block_size))
+                                          self.config.cache.block_size, self.tokenizer))
+
+    def _cost_identity(self) -> dict:
+        """What the speculative cost model's cached calibration depends on besides the machine."""
+        return {"model": file_sha256(self.model_path), "linear": self.config.load.linear_mode,
+                "kv_dtype": str(self.kv_dtype), "block_size": self.config.cache.block_size}
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

@@ -5,6 +5,7 @@ Layout (``LOOM_CACHE``, default ``~/.cache/loom``)::
     models/          GGUF files pulled from the registry (loom/loader/registry.py)
     kernels/         compiled kernel modules (loom/kernels)
     packed/          packed weights per GGUF file and kernel variant (loom/model/pack_cache.py)
+    costs/           speculative decoding's timed forward passes per model and machine (loom/speculative/calibration.py)
     tokenizers/      derived tokenizer tables (loom/loader/tokenizer.py)
     identity/        the sha256 of GGUF files outside models/, remembered per path, size and mtime
 

@@ -4,6 +4,8 @@
     drafters/       the Drafter interface, its registry and one module per method
     tree.py         draft trees and their attention masks
     verify.py       greedy matching and recursive rejection sampling over a tree
-    controller.py   draft size per sequence and step, from measured acceptance and cost
+    calibration.py  the cost model's timed forward passes, cleaned of slow outliers, cached per machine
+    controller.py   the step's draft budget, per sequence, from measured acceptance and cost
+    datastore.py    token n-grams of a user corpus and of finished requests (retrieval drafting)
     decoder.py      the runner's side: verify, compact accepted KV, observe, propose
 """

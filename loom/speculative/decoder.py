@@ -32,13 +32,11 @@ import torch
 from loom.config import SpeculativeConfig
 from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost
 from loom.sample.sampler import argmax_rows
+from loom.speculative.calibration import Grid, calibrated, measure
 from loom.speculative.controller import SpecController
 from loom.speculative.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
 from loom.speculative.verify import verify_greedy, verify_sampled
 
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
-CALIBRATION_DRAFTS = (0, 1, 2, 4, 8)      # draft nodes per sequence
-CALIBRATION_CONTEXTS = (64, 1024)     # context lengths (tokens in the cache), shortest first
 OVERHEAD_EMA = 0.2
 OBSERVE_PLAIN_BATCH = 4                  # sequences per step that feed the drafter in a batch without drafts
 
@@ -82,32 +80,21 @@ class SpecDecoder:
             extra += len(s.draft_parents)
         self.controller.cost.observe(len(out.seqs), extra, seconds)
 
-    def calibrate(self, time_forward: Callable[[list[ScheduledSeq]], float], max_num_seqs: int) -> None:
-        """Times forward passes (`time_forward(seqs)` -> seconds) at a grid of (sequences, draft
-        nodes each) and context lengths; run before any request holds KV blocks (the passes write
-        into free blocks). A point that does not fit the cache or the model's context is left out."""
-        gen = torch.Generator().manual_seed(0)
-        warm = True
-        cfg, block_size = self.env.target.cfg, self.env.block_size
-        for ctx in CALIBRATION_CONTEXTS:
-            if ctx + max(CALIBRATION_DRAFTS) + 1 > cfg.context_length:
-                break
-            per_seq = -(-(ctx + max(CALIBRATION_DRAFTS) + 1) // block_size)
-            for b in CALIBRATION_BATCHES:
-                if b > max_num_seqs or b * per_seq > self.env.num_blocks:
-                    break
-                for k in CALIBRATION_DRAFTS:
-                    if k > self.config.num_speculative_tokens:
-                        break
-                    seqs = [ScheduledSeq(f"calibrate{i}",
-                                         torch.randint(cfg.vocab_size, (1 + k,), generator=gen).tolist(),
-                                         ctx, list(range(i * per_seq, (i + 1) * per_seq)), True,
-                                         tuple(range(-1, k - 1))) for i in range(b)]
-                    if warm:   # the first pass pays one-time costs
-                        time_forward(seqs)
-                        warm = False
-                    best = min(time_forward(seqs) for _ in range(2))
-                    self.controller.cost.calibrate(b, b * k, best, ctx)
+    def calibrate(self, time_forward: Callable[[list[ScheduledSeq]], float], max_num_seqs: int,
+                  identity: dict | None = None) -> None:
+        """Feeds the cost model the times of forward passes (`time_forward(seqs)` -> seconds) at a
+        grid of (sequences, draft nodes each) and context lengths (loom.speculative.calibration),
+        cached under `identity` (what names the model and its set-up; None: not cached). Run
+        before any request holds KV blocks (the passes write into free blocks)."""
+        cfg, env = self.env.target.cfg, self.env
+        grid = Grid.fitting(cfg.context_length, max_num_seqs, self.config.num_speculative_tokens,
+                            env.num_blocks, env.block_size)
+        if identity is None:
+            times = measure(time_forward, grid, cfg.vocab_size, env.block_size) if grid.points() else {}
+        else:
+            times = calibrated(time_forward, grid, identity, cfg.vocab_size, env.block_size)
+        for (ctx, b, k), seconds in times.items():
+            self.controller.cost.calibrate(b, b * k, seconds, ctx)
 
     # -- one step -------------------------------------------------------------------------
     def step(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],

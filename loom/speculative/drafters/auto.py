@@ -1,6 +1,7 @@
 """`method: auto`: per sequence, the drafter that has been accepted most.
 
-Prompt lookup (free, exact copies) and Token Recycling (always has a guess) both run; each
+Prompt lookup (free, exact copies) and Token Recycling (always has a guess) both run, and
+retrieval from the datastore (loom.speculative.datastore) where one is given; each
 sequence takes, per step, the proposal of the one whose accepted tokens per step (an
 average over this sequence's recent steps, optimistic at first) is higher. Prompt lookup
 proposes nothing when the context has no match; recycling then serves. The controller
@@ -12,6 +13,7 @@ from __future__ import annotations
 from loom.contracts import DraftTree
 from loom.speculative.drafters.base import Drafter, DraftRequest, Observation, register
 from loom.speculative.drafters.prompt_lookup import PromptLookupDrafter
+from loom.speculative.drafters.retrieval import RetrievalDrafter
 from loom.speculative.drafters.token_recycling import TokenRecyclingDrafter
 
 EMA = 0.3
@@ -22,6 +24,8 @@ OPTIMISM = 4.0   # assumed accepted tokens per step before a drafter was tried
 class AutoDrafter(Drafter):
     def __init__(self, config, env):
         self.subs: list[Drafter] = [PromptLookupDrafter(config, env), TokenRecyclingDrafter(config, env)]
+        if config.datastore is not None:
+            self.subs.insert(1, RetrievalDrafter(config, env))
         self.observe_topk = max(d.observe_topk for d in self.subs)
         self.score: dict[tuple[str, int], float] = {}
         self.last: dict[str, int] = {}       # request -> which drafter made its pending tree

@@ -31,6 +31,7 @@ class DraftEnv:
     linear_mode: str        # linear backend the target was loaded with
     num_blocks: int
     block_size: int
+    tokenizer: Any = None   # the target's tokenizer (encode), for drafters that read text (retrieval)
 
 
 @dataclass(frozen=True)

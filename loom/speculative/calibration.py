@@ -1,0 +1,171 @@
+"""The cost model's calibration: timed forward passes, cleaned of interference, cached per machine.
+
+Points. A pass of B sequences at a context of N tokens, each carrying k draft nodes (X = B * k
+extra tokens), is timed at every (N, B, k) of a small grid (`Grid`). Each point is the fastest
+of REPEATS passes. On a shared machine a point can still come out slow (another process took
+the core); the cost of a pass never falls when N, B or k grows, so a point slower than one of
+its larger neighbours is timed again (RETRIES rounds), and whatever still breaks the order is
+clipped to its neighbours' cost:
+
+    (N, B, k) <= (N, B, k'), (N, B', k), (N', B, k)     for k' > k, B' > B, N' > N
+
+Cache. Timing the grid takes seconds, so the points are kept beside the packed weights
+(loom/model/pack_cache.py), one JSON file per machine and model set-up:
+
+    $LOOM_CACHE/costs/<sha256(key)[:24]>.json     {"key": {...}, "points": [[N, B, X, seconds], ...]}
+
+The key names what the times depend on: the model (GGUF sha256, from the engine), linear
+mode, KV dtype and block size, the kernel variant, the thread count, the CPU model, loom's
+version, the file format and the grid. A file whose key differs or does not parse is ignored
+and rewritten; an unwritable directory leaves loom calibrating at each start-up, said once.
+``LOOM_COST_CACHE=0`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from loom import kernels
+from loom.contracts import ScheduledSeq
+from loom.loader.cache import CacheWriteError, atomic_write, cache_root, loom_version
+
+log = logging.getLogger("loom")
+
+COST_FORMAT = 1
+BATCHES = (1, 2, 4, 8, 16)
+DRAFTS = (0, 1, 2, 4, 8)          # draft nodes per sequence
+CONTEXTS = (64, 1024)             # context lengths (tokens in the cache), shortest first
+REPEATS = 3                       # passes per point; the fastest counts
+RETRIES = 3                       # rounds of re-timing the points that break the order
+
+Point = tuple[int, int, int]      # (context, batch, draft nodes per sequence)
+
+
+@dataclass(frozen=True)
+class Grid:
+    contexts: tuple[int, ...]
+    batches: tuple[int, ...]
+    drafts: tuple[int, ...]
+
+    @classmethod
+    def fitting(cls, context_length: int, max_num_seqs: int, max_drafts: int, num_blocks: int,
+                block_size: int) -> "Grid":
+        """The grid's points that fit the model's context, the batch and draft limits and the
+        KV cache (the largest batch at the longest context must fit at once)."""
+        ctxs = tuple(n for n in CONTEXTS if n + max(DRAFTS) + 1 <= context_length)
+        per_seq = -(-(max(ctxs, default=0) + max(DRAFTS) + 1) // block_size)
+        batches = tuple(b for b in BATCHES if b <= max_num_seqs and b * per_seq <= num_blocks)
+        return cls(ctxs, batches, tuple(k for k in DRAFTS if k <= max_drafts))
+
+    def points(self) -> list[Point]:
+        return [(n, b, k) for n in self.contexts for b in self.batches for k in self.drafts]
+
+    def larger(self, p: Point) -> list[Point]:
+        """The next point up along each axis."""
+        out = []
+        for axis, values in enumerate((self.contexts, self.batches, self.drafts)):
+            i = values.index(p[axis])
+            if i + 1 < len(values):
+                q = list(p)
+                q[axis] = values[i + 1]
+                out.append(tuple(q))
+        return out
+
+
+def measure(time_forward: Callable[[list[ScheduledSeq]], float], grid: Grid, vocab_size: int,
+            block_size: int) -> dict[Point, float]:
+    """Seconds of a pass at each grid point; the passes write into KV blocks 0.. (free ones)."""
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-(max(grid.contexts) + max(grid.drafts) + 1) // block_size)
+
+    def seqs(p: Point) -> list[ScheduledSeq]:
+        n, b, k = p
+        return [ScheduledSeq(f"calibrate{i}", torch.randint(vocab_size, (1 + k,), generator=gen).tolist(), n,
+                             list(range(i * per_seq, (i + 1) * per_seq)), True, tuple(range(-1, k - 1)))
+                for i in range(b)]
+
+    points = grid.points()
+    time_forward(seqs(points[0]))      # the first pass pays one-time costs
+    times = {p: min(time_forward(seqs(p)) for _ in range(REPEATS)) for p in points}
+    for _ in range(RETRIES):
+        slow = {p for p in points for q in grid.larger(p) if times[p] > times[q]}
+        if not slow:
+            break
+        for p in slow:
+            times[p] = min(times[p], time_forward(seqs(p)))
+    for p in reversed(points):          # larger points first: clip what still breaks the order
+        times[p] = min([times[p]] + [times[q] for q in grid.larger(p)])
+    return times
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(identity: dict, grid: Grid) -> dict:
+    return identity | {"variant": kernels.variant(), "threads": torch.get_num_threads(), "cpu": _cpu(),
+                       "loom": loom_version(), "format": COST_FORMAT, "grid": asdict(grid)}
+
+
+def enabled() -> bool:
+    return os.environ.get("LOOM_COST_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "costs" / f"{digest}.json"
+
+
+def load(key: dict) -> dict[Point, float] | None:
+    try:
+        data = json.loads(_path(key).read_text())
+        if data.get("key") != json.loads(json.dumps(key)):
+            return None
+        return {(int(n), int(b), int(x)): float(s) for n, b, x, s in data["points"]}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+_unwritable: set[str] = set()
+
+
+def save(key: dict, times: dict[Point, float]) -> None:
+    body = json.dumps({"key": key, "points": [[n, b, k, s] for (n, b, k), s in sorted(times.items())]})
+    target = _path(key)
+    try:
+        atomic_write(target, lambda f: f.write(body.encode()))
+    except CacheWriteError as e:
+        if str(target.parent) not in _unwritable:
+            _unwritable.add(str(target.parent))
+            log.warning("speculative cost calibration not cached (%s); it is timed again at each start-up", e)
+
+
+def calibrated(time_forward: Callable[[list[ScheduledSeq]], float], grid: Grid, identity: dict,
+               vocab_size: int, block_size: int) -> dict[Point, float]:
+    """The grid's times: from the cache when it holds this machine's and model's, else timed
+    (and cached)."""
+    if not grid.points():
+        return {}
+    key = cache_key(identity, grid)
+    times = load(key) if enabled() else None
+    if times is not None and set(times) == set(grid.points()):
+        return times
+    times = measure(time_forward, grid, vocab_size, block_size)
+    if enabled():
+        save(key, times)
+    return times
