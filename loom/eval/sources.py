@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from loom.config import CacheConfig, LoadConfig
-from loom.engine.engine import kv_cache_torch_dtype
+from loom.engine.engine import kv_cache_format
 from loom.errors import InvalidRequestError, LoomError
 from loom.eval.windows import Window, Windows
 from loom.loader.gguf import GGUFFile
@@ -54,11 +54,10 @@ class LoomSource:
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.model = load_model(gguf, linear=load.linear_mode)
         CacheConfig(kv_cache_dtype=kv_cache_dtype)   # validates it
-        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.model)
+        self.kv_dtype = kv_cache_format(kv_cache_dtype, self.model)
         self.chunk = chunk
         self.vocab_size = self.model.cfg.vocab_size
-        kv = str(self.kv_dtype).removeprefix("torch.")
-        self.label = f"loom {dtype} (KV {kv})"
+        self.label = f"loom {dtype} (KV {self.kv_dtype.name})"
 
     def logprobs(self, window: Window) -> Iterator[torch.Tensor]:
         return score_slices(self.model, window.tokens, window.first, self.kv_dtype, self.chunk, ROWS)
