@@ -63,20 +63,31 @@ class LoomSource:
         return score_slices(self.model, window.tokens, window.first, self.kv_dtype, self.chunk, ROWS)
 
 
-class LlamaCppSource:
-    """llama.cpp (llama-cpp-python) on the same GGUF, fed loom's token ids."""
+# llama.cpp's KV cache types by their names in llama.cpp (--cache-type-k/-v) -> ggml type ids
+LLAMA_CPP_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
-    def __init__(self, model: str, context: int, threads: int | None = None):
+
+class LlamaCppSource:
+    """llama.cpp (llama-cpp-python) on the same GGUF, fed loom's token ids. `kv_cache_dtype`:
+    its K and V cache type (f16, q8_0, q4_0); a quantized V cache needs its flash-attention path,
+    which is then on."""
+
+    def __init__(self, model: str, context: int, threads: int | None = None, kv_cache_dtype: str = "f16"):
         try:
             import llama_cpp
         except ImportError:
             raise LoomError("the llama.cpp source needs llama-cpp-python (pip install 'llama-cpp-python==0.3.36')") from None
+        if kv_cache_dtype not in LLAMA_CPP_KV_TYPES:
+            raise InvalidRequestError(f"llama.cpp's KV cache type must be one of {', '.join(LLAMA_CPP_KV_TYPES)}, "
+                                      f"got {kv_cache_dtype!r}")
+        kv = LLAMA_CPP_KV_TYPES[kv_cache_dtype]
         self.path = resolve_model(model)
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context, n_batch=min(context, 512),
                                    n_ubatch=min(context, 512), logits_all=True, verbose=False,
-                                   n_threads=threads or os.cpu_count(), n_threads_batch=threads or os.cpu_count())
+                                   n_threads=threads or os.cpu_count(), n_threads_batch=threads or os.cpu_count(),
+                                   type_k=kv, type_v=kv, flash_attn=kv_cache_dtype != "f16")
         self.vocab_size = int(self.llm.n_vocab())
-        self.label = f"llama.cpp {getattr(llama_cpp, '__version__', '')}".strip()
+        self.label = f"llama.cpp {getattr(llama_cpp, '__version__', '')} (KV {kv_cache_dtype})".replace("  ", " ")
 
     def logprobs(self, window: Window) -> Iterator[torch.Tensor]:
         self.llm.reset()
