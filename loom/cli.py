@@ -395,7 +395,7 @@ def eval_(
     dtype: str = typer.Option("auto", "--dtype", help="loom's dtype: auto, float32 or bfloat16."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
                                        help="loom's KV cache: auto, float32, float16, int8, int4; with "
-                                            "--engine llama.cpp its cache type: f16 (auto), q8_0, q4_0."),
+                                            "--engine llama.cpp its cache type, with flash attention: f16, q8_0, q4_0."),
     kld: bool = typer.Option(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
                                                   "agreement, probability shift."),
     base: Path | None = typer.Option(None, "--base", help="Reference saved with --save-base (implies --kld; "

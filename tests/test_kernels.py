@@ -272,10 +272,10 @@ def test_attention_rows_are_bitwise_invariant(window, fmt):
     prefill chunk, in a chunk after a cached prefix, as a decode row, or as a node of a draft
     chain being verified (so neither the prefix cache, nor chunking, nor speculation changes a
     result), and on any number of threads; for every cache format, over contexts split into
-    several parts (SPLIT = 256 keys)."""
+    several parts (SPLIT = 256 keys) and under both schedules of the parts."""
     kern = kernels.load()
     g = torch.Generator().manual_seed(1)
-    H, Hkv, D, C = 6, 2, 64, 600
+    H, Hkv, D, C = 6, 2, 64, 1200   # the whole chunk's partial results exceed PARTIALS_MAX: the other schedule
     f = kv_format(fmt)
     kc = f.encode(torch.randn(C + 8, Hkv, D, generator=g))
     vc = f.encode(torch.randn(C + 8, Hkv, D, generator=g))

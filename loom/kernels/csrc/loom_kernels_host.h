@@ -148,7 +148,7 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
                            (const uint8_t*)v_cache.data_ptr(), C::row_bytes(D), slots.data_ptr<int64_t>(),
                            slots.stride(0), cl_t.data_ptr<int64_t>(), gs_t.data_ptr<int64_t>(),
                            sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window, out.data_ptr<float>(),
-                           nullptr, 0, 0};
+                           nullptr, 0, 0, 0};
       attn_impl<Isa, decltype(nv)::value>(a);
     };
     switch (D) {   // register-resident fast paths for the common head sizes, a generic loop otherwise

@@ -225,8 +225,9 @@ struct PagedAttn {   // attn_decode's arguments (see there) as raw pointers
   float scale;
   int64_t window;
   float* out;
-  float* part;                   // partial results [R * H][NP][PS] (PS = PART_O + D)
-  int64_t NP, PS;
+  float* part;                   // partial results [rows from part_row0][H][NP][PS] (PS = PART_O + D)
+  int64_t NP, PS, part_row0;
+  float* partial(int64_t row, int64_t h, int64_t p) const { return part + (((row - part_row0) * H + h) * NP + p) * PS; }
   const uint8_t* row(const uint8_t* cache, int64_t slot, int64_t kh) const { return cache + (slot * Hkv + kh) * rb; }
   int64_t first(int64_t row) const { return window > 0 ? std::max<int64_t>(0, ctx[row] - window) : 0; }
 };
@@ -265,7 +266,7 @@ void plan_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnIt
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = r * G + g, h = kh * G + g;
       it.q[i] = a.q + (it.r0 + r) * a.ldq + h * D;
-      it.ml[i] = a.part + (((it.r0 + r) * a.H + h) * a.NP + p) * a.PS;
+      it.ml[i] = a.partial(it.r0 + r, h, p);
       it.out[i] = it.ml[i] + PART_O;
     }
   }
@@ -483,7 +484,7 @@ void attn_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnIt
 // out of query (row, head h): its parts combined in order, rotated back for rotated formats
 template <class V, class C>
 void combine_parts(const PagedAttn<C>& a, int64_t row, int64_t h, std::vector<float>& w) {
-  const float* base = a.part + (row * a.H + h) * a.NP * a.PS;
+  const float* base = a.partial(row, h, 0);
   const int64_t p0 = a.first(row) / SPLIT, p1 = (a.ctx[row] + SPLIT - 1) / SPLIT;
   float M = -INFINITY, l = 0.0f;
   for (int64_t p = p0; p < p1; ++p) M = std::max(M, base[p * a.PS]);
@@ -502,10 +503,17 @@ void combine_parts(const PagedAttn<C>& a, int64_t row, int64_t h, std::vector<fl
   if constexpr (C::kRotated) hadamard(o, a.D);
 }
 
+// Two schedules with the same arithmetic (so the same bits): few rows (decodes) spread every
+// (group, part, kv head) over the threads, their partial results in one buffer, then combine;
+// many rows (prefill chunks), whose partials for every part at once would be large, give each
+// thread whole (group, kv head) items that run their parts in order and combine in place.
+constexpr int64_t PARTIALS_MAX = 8 << 20;   // bytes of partial results for the first schedule
+
 template <class V, int NV, class C>
 void attn_impl(PagedAttn<C> a) {
   const int64_t G = a.H / a.Hkv;
   std::vector<std::pair<int64_t, int64_t>> parts;   // (group, part) of every item, times Hkv heads
+  std::vector<int64_t> first_part(a.NG), end_part(a.NG);
   int64_t work_total = 0;
   a.NP = 1;
   for (int64_t g = 0; g < a.NG; ++g) {
@@ -515,24 +523,45 @@ void attn_impl(PagedAttn<C> a) {
       maxL = std::max(maxL, a.ctx[r]);
       work_total += G * a.D * (a.ctx[r] - a.first(r));
     }
-    for (int64_t p = lo / SPLIT; p * SPLIT < maxL; ++p) parts.emplace_back(g, p);
-    a.NP = std::max(a.NP, (maxL + SPLIT - 1) / SPLIT);
+    first_part[g] = lo / SPLIT;
+    end_part[g] = (maxL + SPLIT - 1) / SPLIT;
+    for (int64_t p = first_part[g]; p < end_part[g]; ++p) parts.emplace_back(g, p);
+    a.NP = std::max(a.NP, end_part[g]);
   }
   const int64_t R = a.group_start[a.NG];
   a.PS = PART_O + a.D;
-  thread_local std::vector<float> part_mem;   // reused across calls: no allocation on the hot path
-  part_mem.resize(R * a.H * a.NP * a.PS + 16);
-  a.part = (float*)(((uintptr_t)part_mem.data() + 63) & ~(uintptr_t)63);
+  a.part_row0 = 0;
   const int64_t items = (int64_t)parts.size() * a.Hkv;
   const int64_t per_item = std::max<int64_t>(1, work_total / std::max<int64_t>(1, items));
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / per_item);  // small batches stay on one thread
-  at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+  if (R * a.H * a.NP * a.PS * (int64_t)sizeof(float) <= PARTIALS_MAX) {
+    thread_local std::vector<float> part_mem;   // reused across calls: no allocation on the hot path
+    part_mem.resize(R * a.H * a.NP * a.PS + 16);
+    a.part = (float*)(((uintptr_t)part_mem.data() + 63) & ~(uintptr_t)63);
+    at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+      thread_local AttnItem it;
+      for (int64_t w = w0; w < w1; ++w) attn_item<V, NV>(a, parts[w / a.Hkv].first, parts[w / a.Hkv].second, w % a.Hkv, it);
+    });
+    at::parallel_for(0, R * a.H, std::max<int64_t>(1, (1 << 15) / (a.NP * a.D)), [&](int64_t q0, int64_t q1) {
+      thread_local std::vector<float> w;
+      for (int64_t q = q0; q < q1; ++q) combine_parts<V>(a, q / a.H, q % a.H, w);
+    });
+    return;
+  }
+  at::parallel_for(0, a.NG * a.Hkv, 1, [&](int64_t w0, int64_t w1) {
     thread_local AttnItem it;
-    for (int64_t w = w0; w < w1; ++w) attn_item<V, NV>(a, parts[w / a.Hkv].first, parts[w / a.Hkv].second, w % a.Hkv, it);
-  });
-  at::parallel_for(0, R * a.H, std::max<int64_t>(1, (1 << 15) / (a.NP * a.D)), [&](int64_t q0, int64_t q1) {
-    thread_local std::vector<float> w;
-    for (int64_t q = q0; q < q1; ++q) combine_parts<V>(a, q / a.H, q % a.H, w);
+    thread_local std::vector<float> mem, w;
+    for (int64_t work = w0; work < w1; ++work) {
+      const int64_t g = work / a.Hkv, kh = work % a.Hkv, r0 = a.group_start[g], nr = a.group_start[g + 1] - r0;
+      PagedAttn<C> b = a;   // partials of this group's rows only
+      b.NP = end_part[g];
+      mem.resize(nr * a.H * b.NP * a.PS + 16);
+      b.part = (float*)(((uintptr_t)mem.data() + 63) & ~(uintptr_t)63);
+      b.part_row0 = r0;
+      for (int64_t p = first_part[g]; p < end_part[g]; ++p) attn_item<V, NV>(b, g, p, kh, it);
+      for (int64_t r = r0; r < r0 + nr; ++r)
+        for (int64_t h = kh * G; h < kh * G + G; ++h) combine_parts<V>(b, r, h, w);
+    }
   });
 }
 
