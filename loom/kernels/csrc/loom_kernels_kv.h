@@ -152,7 +152,7 @@ template <class C>
 inline int64_t kv_head_dim(const torch::Tensor& cache) {
   const int64_t last = cache.size(2);
   if constexpr (!C::kRotated) return last;
-  for (int64_t D = 32; D <= 1024; D += 16)
+  for (int64_t D = 16; D <= 1024; D += 16)
     if (C::fits(D) && C::row_bytes(D) == last) return D;
   TORCH_CHECK(false, "cache rows of ", last, " bytes match no head size of this format");
   return 0;
