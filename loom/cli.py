@@ -105,6 +105,12 @@ def bench(
                                           "reported as skipped. With --server: servers the bench starts on the "
                                           "same GGUF and load-tests in turn: loom, llama-server, vllm."),
     dtype: str | None = typer.Option(None, "--dtype", help="dtype of the plain `loom` peer (default: loom's)."),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
+                                              help="KV cache of the loom peers that name none (auto, float32, "
+                                                   "float16, int8, int4; a peer can name its own: loom:kv=int8)."),
+    decode_context: str | None = typer.Option(None, "--decode-context",
+                                              help="Also time single-stream decode after prompts of these "
+                                                   "lengths, comma-separated (e.g. 256,2048,6000)."),
     concurrency: str | None = typer.Option(None, "--concurrency",
                                            help="Concurrent request counts (default: 1,4,16,32,64; quick: 1,4)."),
     decode_tokens: int | None = typer.Option(
@@ -177,14 +183,17 @@ def bench(
         _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
                     spec_repeats, spec_datastore, spec_llamacpp, max_tokens)
         return
-    _peer_bench(model, threads, prompts, peers or "loom,transformers,llama.cpp", dtype, quick, json_path, plot, parallel,
+    contexts = _int_list(decode_context, "--decode-context")
+    _peer_bench(model, threads, prompts, peers or "loom,transformers,llama.cpp", dtype, quick, json_path, plot,
+                parallel, kv_cache_dtype, contexts,
                 concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
                 prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
                 parallel_n=_int_list(parallel_n, "--parallel-n"))
 
 
 def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str | None, quick: bool,
-                json_path: Path | None, plot: Path | None, parallel: bool, **overrides) -> None:
+                json_path: Path | None, plot: Path | None, parallel: bool, kv_cache_dtype: str | None = None,
+                contexts: tuple[int, ...] | None = None, **overrides) -> None:
     """The peer suites: decode, prefill, concurrency (and with --parallel the parallel sampling suites)."""
     from loom.bench.harness import BenchRequest, run_bench
     from loom.bench.peers import parse_peers
@@ -197,7 +206,12 @@ def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str 
 
         wanted = PARALLEL_SUITES if settings.quality_limit else PARALLEL_SUITES[:1]
         settings = settings.replace(suites=settings.suites + tuple(wanted))
+    if contexts:
+        settings = settings.replace(decode_contexts=contexts, suites=settings.suites + ("decode_context",))
     specs = [s.with_option("dtype", dtype) if s.label == "loom" and dtype else s for s in parse_peers(peers)]
+    if kv_cache_dtype:
+        specs = [s.with_option("kv_cache_dtype", kv_cache_dtype)
+                 if s.is_loom and "kv_cache_dtype" not in s.options else s for s in specs]
     report = run_bench(BenchRequest(model=model, peers=specs, settings=settings, threads=threads, prompts_path=prompts),
                        console=err)
     print_report(report, out)
@@ -269,6 +283,9 @@ def serve(
     block_size: int | None = typer.Option(None, min=1, help="Tokens per KV block."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV of shared prompt prefixes."),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
+                                              help="KV cache: auto (float16 on loom's kernels, float32 in the "
+                                                   "exact mode), float32, float16, int8, int4."),
     seed: int = typer.Option(0, help="Seed of unseeded sampling."),
     speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
@@ -309,7 +326,7 @@ def serve(
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                  num_blocks=num_blocks, block_size=block_size,
-                                 enable_prefix_caching=prefix_caching, seed=seed,
+                                 enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, seed=seed,
                                  speculative_config=_speculative(speculative_config, spec_datastore))
     if cluster is not None:
         from loom.cluster.launch import run_cluster
@@ -376,6 +393,8 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
     speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
+    kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
+                                              help="KV cache: auto, float32, float16, int8, int4."),
 ) -> None:
     """Generate a completion for one prompt, streaming text to stdout as it is produced."""
     from loom.config import EngineConfig
@@ -384,7 +403,7 @@ def generate(
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_tokens=max_tokens, ignore_eos=ignore_eos)
-    engine = Engine(EngineConfig.create(model, threads=threads,
+    engine = Engine(EngineConfig.create(model, threads=threads, kv_cache_dtype=kv_cache_dtype,
                                         speculative_config=_speculative(speculative_config, spec_datastore)))
     if chat:
         messages = [{"role": "user", "content": prompt}]
@@ -415,7 +434,9 @@ def eval_(
     chunks: int | None = typer.Option(None, "--chunks", help="Score only the first N windows."),
     engine: str = typer.Option("loom", "--engine", help="Who computes: loom, or llama.cpp over the same tokens."),
     dtype: str = typer.Option("auto", "--dtype", help="loom's dtype: auto, float32 or bfloat16."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="loom's KV cache: auto, float32, float16."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
+                                       help="loom's KV cache: auto, float32, float16, int8, int4; with "
+                                            "--engine llama.cpp its cache type, with flash attention: f16, q8_0, q4_0."),
     kld: bool = typer.Option(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
                                                   "agreement, probability shift."),
     base: Path | None = typer.Option(None, "--base", help="Reference saved with --save-base (implies --kld; "
@@ -441,7 +462,8 @@ def eval_(
     if engine == "loom":
         source = ev.open_source("loom", model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, threads=threads)
     else:
-        source = ev.open_source(engine, model=model, context=context, threads=threads)
+        kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
+        source = ev.open_source(engine, model=model, context=context, threads=threads, **kv)
     reference = None
     if base is not None:
         reference = ev.sources.BaseSource(base, windows)

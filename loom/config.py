@@ -19,7 +19,7 @@ DTYPES = {
     "bfloat16": "bf16",   # dense bfloat16 weights (oneDNN)
 }
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "int8", "int4")   # loom/model/kv_dtypes
 
 
 def _bad(name: str, value, allowed: str) -> InvalidRequestError:
@@ -59,7 +59,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = a share of free RAM
     num_blocks: int | None = None       # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"        # "auto": float16 with loom's kernels, float32 in the exact mode
+    kv_cache_dtype: str = "auto"        # "auto": float16 with loom's kernels, float32 in the exact mode; int8, int4
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

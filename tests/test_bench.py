@@ -97,9 +97,35 @@ def test_parse_peers() -> None:
     specs = parse_peers("loom, loom:float32,llama.cpp,loom")
     assert [s.label for s in specs] == ["loom", "loom:float32", "llama.cpp"]
     assert specs[1].options == {"dtype": "float32"} and specs[0].is_loom and not specs[2].is_loom
-    for bad in ("vllm", "llama.cpp:fast", "transformers:bfloat16", ","):
+    for bad in ("vllm", "llama.cpp:fast", "transformers:bfloat16", ",", "loom:kb=int8", "llama.cpp:kv=q8_0"):
         with pytest.raises(BenchError):
             parse_peers(bad)
+    kv = parse_peers("loom:kv=int8,loom:float32+kv=int4")
+    assert kv[0].options == {"kv_cache_dtype": "int8"}
+    assert kv[1].options == {"dtype": "float32", "kv_cache_dtype": "int4"}
+
+
+def test_decode_at_context_with_a_quantized_kv_cache(tiny_llama_path: Path, prompts_file: Path,
+                                                     tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_llama_path), "--quick", "--threads", "1",
+                                      "--peers", "loom:kv=int8", "--prompts", str(prompts_file), "--concurrency", "1",
+                                      "--decode-context", "40,300", "--json", str(report_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    loom, settings = report["engines"]["loom:kv=int8"], report["settings"]
+    assert settings["decode_contexts"] == [40, 300] and settings["suites"][-1] == "decode_context"
+    assert loom.get("info", {}).get("kv_cache_dtype") == "int8", sorted(loom)
+    for n in ("40", "300"):
+        assert loom["decode_context"][n]["tokens"] == settings["decode_tokens"]
+        assert loom["decode_context"][n]["tok_s"] > 0
+    assert "decode at context 300" in result.output
+
+
+def test_bad_kv_cache_dtype_fails_before_running(tiny_llama_path: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_llama_path), "--quick",
+                                      "--kv-cache-dtype", "int3"])
+    assert result.exit_code == 1 and "kv_cache_dtype must be one of auto, float32, float16, int8, int4" in result.output
 
 
 def test_bad_loom_dtype_fails_before_running(tiny_llama_path: Path) -> None:

@@ -112,6 +112,22 @@ def test_cli_eval_writes_table_json_and_plot(tiny_llama_path, tmp_path):
     assert out_png.stat().st_size > 1000
 
 
+def test_cli_eval_with_a_quantized_kv_cache(tiny_llama_path, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    out_json = tmp_path / "eval.json"
+    r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32", "--chunks", "2",
+                                 "--kv-cache-dtype", "int8", "--kld", "--json", str(out_json)])
+    assert r.exit_code == 0, r.output
+    assert "KV int8" in r.output
+    assert 0 < json.loads(out_json.read_text())["kld_mean"] < 0.05
+    for engine, kv, message in (("loom", "int3", "kv_cache_dtype must be one of auto, float32, float16, int8, int4"),
+                                ("llama.cpp", "int8", "llama.cpp's KV cache type must be one of f16, q8_0, q4_0")):
+        r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32",
+                                     "--engine", engine, "--kv-cache-dtype", kv])
+        assert r.exit_code == 1 and message in r.output, r.output
+
+
 @pytest.mark.parametrize("content, message", [(None, "no such file"), ("", "is empty"),
                                               ("a few words", "fewer than one window")])
 def test_cli_eval_errors_are_one_line(tiny_llama_path, tmp_path, content, message):

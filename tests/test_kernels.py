@@ -24,6 +24,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from loom import kernels
 from loom.kernels.cpu import cpu_flags
+from loom.model.kv_dtypes import FORMATS, kv_format
 from loom.model.layers.attention import AttentionMetadata, paged_attention, tree_attention_mask
 from loom.model.layers.linear import PRE_GEGLU, PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, QuantLinear, make_linear
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
@@ -177,16 +178,19 @@ def test_qgemm_rejects_bad_shapes():
 
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("D", [32, 64, 256])   # 64/128/256 have register-resident paths
-def test_rope_store_and_decode_attention_match_torch(window, cache_dtype, D):
+def test_rope_store_and_decode_attention_match_torch(window, fmt, D):
+    """The kernels store k/v in every cache format as the torch path encodes them, and read
+    them back as the torch path decodes them."""
     kern = kernels.load()
     torch.manual_seed(0)
     H, Hkv = 6, 2
+    f = kv_format(fmt)
     rope = RotaryEmbedding(D, 10000.0, 128)
     ctx = [1, 9, 23, 40]
     slots_per_seq = [torch.randperm(64)[:c] + 64 * i for i, c in enumerate(ctx)]
-    kc, vc = torch.randn(256, Hkv, D, dtype=cache_dtype), torch.randn(256, Hkv, D, dtype=cache_dtype)
+    kc, vc = f.encode(torch.randn(256, Hkv, D)), f.encode(torch.randn(256, Hkv, D))
     qkv = torch.randn(len(ctx), (H + 2 * Hkv) * D)
     positions = torch.tensor([c - 1 for c in ctx])
     slot_mapping = torch.stack([s[-1] for s in slots_per_seq])
@@ -202,20 +206,24 @@ def test_rope_store_and_decode_attention_match_torch(window, cache_dtype, D):
     ref = paged_attention(q, k, v.reshape(-1, Hkv, D), kc_ref, vc_ref, meta, 0.2, window)
 
     # kernels
-    kern.rope_store(qkv, positions, rope.cos, rope.sin, kc, vc, slot_mapping, H, Hkv, q_norm, k_norm, 1e-6)
-    tol = 1e-5 if cache_dtype == torch.float32 else 1e-3   # a float32 ulp can flip a float16 rounding
-    torch.testing.assert_close(kc, kc_ref, rtol=tol, atol=tol)
-    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)
+    kern.rope_store(qkv, positions, rope.cos, rope.sin, kc, vc, slot_mapping, H, Hkv, q_norm, k_norm, 1e-6,
+                    f.kernel_id)
+    # a float32 ulp of the kernel's norm and RoPE can flip a float16 rounding or a code
+    tol = {"float32": 1e-5, "float16": 1e-3, "int8": 0.05, "int4": 0.7}[fmt]
+    torch.testing.assert_close(f.decode(kc), f.decode(kc_ref), rtol=0, atol=tol)
+    assert torch.equal(vc, vc_ref)   # v is stored as it came: the very same bytes
     qk = qkv.view(-1, H + 2 * Hkv, D)
     out = paged_attention(qk[:, :H], qk[:, H:H + Hkv], qk[:, H + Hkv:], kc, vc, meta, 0.2, window,
                           stored=True, kern=kern)
+    if f.kernel_id:   # quantized: the torch path over the kernel's own cache (the same codes)
+        ref = paged_attention(q, k, v.reshape(-1, Hkv, D), kc, vc, meta, 0.2, window, stored=True)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 @needs_kernels
 @pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_kernel_rows_match_torch_for_mixed_batches(window, fmt):
     """Decodes, a causal chunk, a draft tree and a long prefill in one batch: the row kernel
     computes what the torch path computes."""
     kern = kernels.load()
@@ -233,10 +241,11 @@ def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
     slot_mapping = torch.cat([s[-n:] for s, n in zip(kv_slots, query_lens)])
     meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots, masks)
     T = sum(query_lens)
-    kc = torch.randn(80 * len(shapes), Hkv, D, generator=g).to(cache_dtype)
-    vc = torch.randn(80 * len(shapes), Hkv, D, generator=g).to(cache_dtype)
+    f = kv_format(fmt)
+    kc = f.encode(torch.randn(80 * len(shapes), Hkv, D, generator=g))
+    vc = f.encode(torch.randn(80 * len(shapes), Hkv, D, generator=g))
     q = torch.randn(T, H, D, generator=g)
-    k, v = kc[slot_mapping].float(), vc[slot_mapping].float()
+    k, v = f.decode(kc[slot_mapping]), f.decode(vc[slot_mapping])
     ref = paged_attention(q, k, v, kc, vc, AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots,
                                                                   masks), 0.125, window, stored=True)
     rows = meta.kernel_rows()
@@ -256,18 +265,20 @@ def test_kernel_rows_match_torch_for_mixed_batches(window, cache_dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_attention_rows_are_bitwise_invariant(window, cache_dtype):
+@pytest.mark.parametrize("window", [None, 6, 300])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_attention_rows_are_bitwise_invariant(window, fmt):
     """A position's attention output has the same bits however it is batched: in one long
     prefill chunk, in a chunk after a cached prefix, as a decode row, or as a node of a draft
     chain being verified (so neither the prefix cache, nor chunking, nor speculation changes a
-    result)."""
+    result), and on any number of threads; for every cache format, over contexts split into
+    several parts (SPLIT = 256 keys) and under both schedules of the parts."""
     kern = kernels.load()
     g = torch.Generator().manual_seed(1)
-    H, Hkv, D, C = 6, 2, 64, 70
-    kc = torch.randn(C + 8, Hkv, D, generator=g).to(cache_dtype)
-    vc = torch.randn(C + 8, Hkv, D, generator=g).to(cache_dtype)
+    H, Hkv, D, C = 6, 2, 64, 1200   # the whole chunk's partial results exceed PARTIALS_MAX: the other schedule
+    f = kv_format(fmt)
+    kc = f.encode(torch.randn(C + 8, Hkv, D, generator=g))
+    vc = f.encode(torch.randn(C + 8, Hkv, D, generator=g))
     slots = torch.randperm(C + 8, generator=g)[:C]
     q = torch.randn(C, H * D, generator=g)
 
@@ -276,15 +287,45 @@ def test_attention_rows_are_bitwise_invariant(window, cache_dtype):
         rows = meta.kernel_rows()
         assert not rows.rest
         return kern.attn_decode(q[ctx - n:ctx].contiguous(), kc, vc, rows.slots, rows.ctx, H, Hkv, 0.125,
-                                window or 0, rows.groups, rows.shared)
+                                window or 0, rows.groups, rows.shared, f.kernel_id)
 
     whole = attend(C, C)                                              # one prefill chunk
-    tail = torch.cat([attend(37, 37), attend(C - 37, C)])            # a cached prefix of 37, then the rest
+    tail = torch.cat([attend(37, 37), attend(300, 337), attend(C - 337, C)])   # cached prefixes, then the rest
     decodes = torch.cat([attend(1, p + 1) for p in range(C)])        # one position at a time
     chain = attend(9, C, tree_attention_mask(1, tuple(range(-1, 7))))  # committed token + 8 draft nodes
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = torch.cat([attend(1, p + 1) for p in range(C - 20, C)])
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(whole, tail)
     assert torch.equal(whole, decodes)
     assert torch.equal(whole[-9:], chain)
+    assert torch.equal(whole[-20:], single)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("fmt, D", [(f, D) for f in FORMATS for D in (16, 64, 96, 256) if D % kv_format(f).group == 0])
+def test_attention_split_across_keys_matches_torch_at_long_context(window, fmt, D):
+    """Contexts of several parts (decodes at 257 and 1000 keys, a 40-token chunk after 560):
+    the parts combined equal one softmax over the whole context (torch, on the decoded cache)."""
+    kern = kernels.load()
+    g = torch.Generator().manual_seed(3)
+    H, Hkv = 4, 2
+    f = kv_format(fmt)
+    query_lens, ctx_lens = [1, 40, 1], [257, 600, 1000]
+    kv_slots = [torch.randperm(1000, generator=g)[:c] + 1000 * i for i, c in enumerate(ctx_lens)]
+    kc = f.encode(torch.randn(3000, Hkv, D, generator=g))
+    vc = f.encode(torch.randn(3000, Hkv, D, generator=g))
+    slot_mapping = torch.cat([s[-n:] for s, n in zip(kv_slots, query_lens)])
+    q = torch.randn(sum(query_lens), H, D, generator=g)
+    k, v = f.decode(kc[slot_mapping]), f.decode(vc[slot_mapping])
+    meta = lambda: AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots)   # noqa: E731
+    ref = paged_attention(q, k, v, kc, vc, meta(), D ** -0.5, window, stored=True)
+    out = paged_attention(q, k, v, kc, vc, meta(), D ** -0.5, window, stored=True, kern=kern)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-5)
 
 
 @needs_kernels

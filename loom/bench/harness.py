@@ -107,11 +107,12 @@ def run_bench(request: BenchRequest, console: Console | None = None) -> dict[str
     """Measure every peer of `request` and return the report (JSON-able; see `report.py`)."""
     from loom.loader.registry import resolve_model
 
-    from loom.config import LoadConfig
+    from loom.config import CacheConfig, LoadConfig
 
-    for spec in request.peers:  # a bad loom dtype fails here, before anything runs
+    for spec in request.peers:  # a bad loom dtype or KV cache dtype fails here, before anything runs
         if spec.is_loom and not missing_modules(spec.kind):
             LoadConfig(dtype=spec.options.get("dtype", LoadConfig().dtype))
+            CacheConfig(kv_cache_dtype=spec.options.get("kv_cache_dtype", CacheConfig().kv_cache_dtype))
     console = console or Console(stderr=True)
     model_path = resolve_model(request.model)
     settings = request.settings

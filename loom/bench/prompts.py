@@ -57,6 +57,10 @@ def build_workload(model_path: Path, settings: BenchSettings, prompts_path: Path
             raise BenchError(f"--prefill-tokens {settings.prefill_tokens} does not fit the model's context of "
                              f"{context} tokens")
         cap = min(cap, context - longest_run - 1)
+        too_long = [c for c in settings.decode_contexts if c + settings.decode_tokens + 1 > context]
+        if too_long:
+            raise BenchError(f"--decode-context {too_long[0]} + {settings.decode_tokens} new tokens does not fit "
+                             f"the model's context of {context} tokens")
         if cap < 1:
             raise BenchError(f"the model's context of {context} tokens leaves no room for a prompt before "
                              f"{longest_run} new tokens; lower --max-tokens/--decode-tokens")
@@ -74,4 +78,17 @@ def build_workload(model_path: Path, settings: BenchSettings, prompts_path: Path
                          f"{settings.prefill_tokens} is more than they can fill")
     notes = [f"prompts: Spec-Bench first turns, round-robin over categories, cut to {cap} tokens"]
     return Workload(warmup_prompts=warmup, decode_prompt=rest[0], prefill_prompt=prefill[:settings.prefill_tokens],
-                    prompts=rest, source=str(prompts_path), notes=notes)
+                    prompts=rest, source=str(prompts_path), notes=notes,
+                    context_prompts=[_long_prompt(tok, texts, n) for n in settings.decode_contexts])
+
+
+def _long_prompt(tok, texts: list[str], n: int) -> list[int]:
+    """Exactly n tokens: BOS (if the model wants one), then the prompts' texts one after another,
+    from the start again as often as needed."""
+    ids = list(tok.encode(""))
+    body = [t for text in texts for t in tok.encode(text, add_special_tokens=False)]
+    if not body:
+        raise BenchError("the prompt file holds no text for --decode-context")
+    while len(ids) < n:
+        ids.extend(body[:n - len(ids)])
+    return ids[:n]

@@ -51,6 +51,9 @@ def metrics(settings: dict[str, Any]) -> list[Metric]:
         Metric("prefill_tok_s", f"prefill, {settings['prefill_tokens']}-token prompt", "tok/s", True,
                "single stream", _path("prefill", "tok_s")),
     ]
+    for n in settings.get("decode_contexts", ()):
+        out.append(Metric(f"decode_ctx{n}_tok_s", f"decode at context {n}", "tok/s", True, "single stream",
+                          _path("decode_context", str(n), "tok_s")))
     for n in settings["concurrency"]:
         c, section = str(n), f"concurrency {n}"
         out += [

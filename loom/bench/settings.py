@@ -38,6 +38,8 @@ class BenchSettings:
     quality_limit: GSM8K problems of the parallel quality suite (a fixed subset).
     quality_k / quality_m: children per problem (self-consistency, best-of, short-m@k) and m.
     quality_max_tokens: most new tokens per answer in the quality suite.
+    decode_contexts: context lengths of the decode-at-context suite: a prompt of exactly that many
+        tokens, then `decode_tokens` new ones timed as in the decode suite.
     """
 
     concurrency: tuple[int, ...] = FULL_CONCURRENCY
@@ -56,6 +58,7 @@ class BenchSettings:
     quality_k: int = 8
     quality_m: int = 3
     quality_max_tokens: int = 256
+    decode_contexts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         checks = {"decode_tokens": 2, "prefill_tokens": 1, "prefill_repeats": 1, "max_tokens": 2,
@@ -72,6 +75,9 @@ class BenchSettings:
             raise BenchError(f"parallel_n must be a list of positive integers, got {self.parallel_n!r}")
         object.__setattr__(self, "parallel_n", tuple(sorted(set(self.parallel_n))))
         object.__setattr__(self, "suites", tuple(self.suites))
+        if any(not isinstance(c, int) or c < 1 for c in self.decode_contexts):
+            raise BenchError(f"decode_contexts must be positive integers, got {self.decode_contexts!r}")
+        object.__setattr__(self, "decode_contexts", tuple(self.decode_contexts))
 
     @classmethod
     def preset(cls, quick: bool) -> "BenchSettings":
@@ -89,13 +95,14 @@ class BenchSettings:
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "concurrency": list(self.concurrency), "suites": list(self.suites),
-                "parallel_n": list(self.parallel_n)}
+                "parallel_n": list(self.parallel_n), "decode_contexts": list(self.decode_contexts)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "BenchSettings":
         data = {**data, "concurrency": tuple(data["concurrency"]), "suites": tuple(data["suites"])}
-        if "parallel_n" in data:
-            data["parallel_n"] = tuple(data["parallel_n"])
+        for key in ("parallel_n", "decode_contexts"):
+            if key in data:
+                data[key] = tuple(data[key])
         return cls(**data)
 
 
@@ -123,6 +130,7 @@ class Workload:
     prompts: list[list[int]]          # the concurrency runs take the first N (cycled when short)
     source: str = ""                  # where the prompts came from, for the report
     notes: list[str] = field(default_factory=list)
+    context_prompts: list[list[int]] = field(default_factory=list)   # one per settings.decode_contexts
 
     def batch(self, n: int) -> list[list[int]]:
         """The prompts of a run with `n` concurrent requests."""
@@ -131,7 +139,8 @@ class Workload:
     def runs(self, settings: BenchSettings) -> list[tuple[list[list[int]], int]]:
         """Every (prompts, new tokens) run of the plan, for sizing caches."""
         return [(self.warmup_prompts, settings.warmup_tokens), ([self.decode_prompt], settings.decode_tokens),
-                ([self.prefill_prompt], 1), *((self.batch(n), settings.max_tokens) for n in settings.concurrency)]
+                ([self.prefill_prompt], 1), *((self.batch(n), settings.max_tokens) for n in settings.concurrency),
+                *(([p], settings.decode_tokens) for p in self.context_prompts)]
 
     def capacity(self, settings: BenchSettings) -> Capacity:
         runs = self.runs(settings)

@@ -21,6 +21,7 @@ from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import Tokenizer
 from loom.model.build import load_model
+from loom.model.kv_dtypes import KVFormat, kv_format
 from loom.model.runner import ModelRunner
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
@@ -34,13 +35,11 @@ DEFAULT_KV_SHARE = 0.25            # of available RAM, when kv_cache_memory is n
 DEFAULT_KV_CAP = 4 << 30           # ... but no more than this
 
 
-def kv_cache_torch_dtype(choice: str, model) -> torch.dtype:
-    """The KV cache's element type for CacheConfig.kv_cache_dtype `choice`: "auto" is float16
-    where loom's kernels read the cache (half the memory traffic of attention), float32 in the
-    exact mode, which must match the reference bit for bit."""
-    if choice == "auto":
-        return torch.float16 if getattr(model, "kern", None) is not None else torch.float32
-    return {"float32": torch.float32, "float16": torch.float16}[choice]
+def kv_cache_format(choice: str, model) -> KVFormat:
+    """The KV cache's format for CacheConfig.kv_cache_dtype `choice` (loom/model/kv_dtypes):
+    "auto" is float16 where loom's kernels read the cache (half the memory traffic of
+    attention), float32 in the exact mode, which must match the reference bit for bit."""
+    return kv_format(choice, kernels=getattr(model, "kern", None) is not None, head_dim=model.cfg.head_dim)
 
 
 class Engine:
@@ -80,8 +79,8 @@ class Engine:
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
 
-    def _kv_dtype(self) -> torch.dtype:
-        return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.model)
+    def _kv_dtype(self) -> KVFormat:
+        return kv_cache_format(self.config.cache.kv_cache_dtype, self.model)
 
     def _speculative_decoder(self, num_blocks: int) -> SpecDecoder | None:
         spec = self.config.speculative

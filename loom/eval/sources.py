@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from loom.config import CacheConfig, LoadConfig
-from loom.engine.engine import kv_cache_torch_dtype
+from loom.engine.engine import kv_cache_format
 from loom.errors import InvalidRequestError, LoomError
 from loom.eval.windows import Window, Windows
 from loom.loader.gguf import GGUFFile
@@ -54,30 +54,41 @@ class LoomSource:
         self.tokenizer = Tokenizer.from_gguf(gguf)
         self.model = load_model(gguf, linear=load.linear_mode)
         CacheConfig(kv_cache_dtype=kv_cache_dtype)   # validates it
-        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.model)
+        self.kv_dtype = kv_cache_format(kv_cache_dtype, self.model)
         self.chunk = chunk
         self.vocab_size = self.model.cfg.vocab_size
-        kv = str(self.kv_dtype).removeprefix("torch.")
-        self.label = f"loom {dtype} (KV {kv})"
+        self.label = f"loom {dtype} (KV {self.kv_dtype.name})"
 
     def logprobs(self, window: Window) -> Iterator[torch.Tensor]:
         return score_slices(self.model, window.tokens, window.first, self.kv_dtype, self.chunk, ROWS)
 
 
-class LlamaCppSource:
-    """llama.cpp (llama-cpp-python) on the same GGUF, fed loom's token ids."""
+# llama.cpp's KV cache types by their names in llama.cpp (--cache-type-k/-v) -> ggml type ids
+LLAMA_CPP_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
-    def __init__(self, model: str, context: int, threads: int | None = None):
+
+class LlamaCppSource:
+    """llama.cpp (llama-cpp-python) on the same GGUF, fed loom's token ids. `kv_cache_dtype`:
+    its K and V cache type (f16, q8_0, q4_0), with its flash-attention path (a quantized V cache
+    needs it; named, f16 takes it too, so the three compare like with like); None: f16 without."""
+
+    def __init__(self, model: str, context: int, threads: int | None = None, kv_cache_dtype: str | None = None):
         try:
             import llama_cpp
         except ImportError:
             raise LoomError("the llama.cpp source needs llama-cpp-python (pip install 'llama-cpp-python==0.3.36')") from None
+        if kv_cache_dtype is not None and kv_cache_dtype not in LLAMA_CPP_KV_TYPES:
+            raise InvalidRequestError(f"llama.cpp's KV cache type must be one of {', '.join(LLAMA_CPP_KV_TYPES)}, "
+                                      f"got {kv_cache_dtype!r}")
+        kv = LLAMA_CPP_KV_TYPES[kv_cache_dtype or "f16"]
         self.path = resolve_model(model)
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context, n_batch=min(context, 512),
                                    n_ubatch=min(context, 512), logits_all=True, verbose=False,
-                                   n_threads=threads or os.cpu_count(), n_threads_batch=threads or os.cpu_count())
+                                   n_threads=threads or os.cpu_count(), n_threads_batch=threads or os.cpu_count(),
+                                   type_k=kv, type_v=kv, flash_attn=kv_cache_dtype is not None)
         self.vocab_size = int(self.llm.n_vocab())
-        self.label = f"llama.cpp {getattr(llama_cpp, '__version__', '')}".strip()
+        kv_note = f" (KV {kv_cache_dtype}, flash attention)" if kv_cache_dtype else ""
+        self.label = f"llama.cpp {getattr(llama_cpp, '__version__', '')}".strip() + kv_note
 
     def logprobs(self, window: Window) -> Iterator[torch.Tensor]:
         self.llm.reset()

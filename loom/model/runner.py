@@ -22,6 +22,7 @@ import torch
 
 from loom.contracts import DraftTree, RunnerOutput, SchedulerOutput, SpecHost, TokenLogprobs
 from loom.model.kv_cache import KVCacheTensors
+from loom.model.kv_dtypes import KVFormat
 from loom.model.layers.attention import AttentionMetadata, tree_attention_mask
 from loom.sample.sampler import Sampler, SamplingBatch, argmax_rows, request_generator
 from loom.sampling_params import SamplingParams
@@ -56,7 +57,7 @@ class ModelRunner:
     never the runner itself."""
 
     def __init__(self, model, num_blocks: int, block_size: int, stop_token_ids: frozenset[int],
-                 kv_dtype: torch.dtype = torch.float32, seed: int = 0, spec=None,
+                 kv_dtype: torch.dtype | KVFormat = torch.float32, seed: int = 0, spec=None,
                  structured: StructuredOutputs | None = None):
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         self.vocab_size = model.cfg.vocab_size
@@ -71,7 +72,7 @@ class ModelRunner:
                                   generator=self.sampler.generator)
 
     @staticmethod
-    def kv_bytes_per_token(cfg, kv_dtype: torch.dtype = torch.float32) -> int:
+    def kv_bytes_per_token(cfg, kv_dtype: torch.dtype | KVFormat = torch.float32) -> int:
         return KVCacheTensors.bytes_per_token(cfg, kv_dtype)
 
     @torch.inference_mode()
@@ -265,7 +266,7 @@ def score(model, token_ids) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def score_slices(model, token_ids, first: int = 0, kv_dtype: torch.dtype | None = None, chunk: int = 512,
+def score_slices(model, token_ids, first: int = 0, kv_dtype: torch.dtype | KVFormat | None = None, chunk: int = 512,
                  rows: int = PROMPT_LOGPROB_ROWS) -> Iterator[torch.Tensor]:
     """Log-probabilities [r, V] (float32) of the next token at positions first .. T-2 of one
     sequence, `rows` positions at a time, in order. The sequence runs in prefill chunks of

@@ -1,7 +1,8 @@
 """The engines `loom bench` knows, how to name them on the command line, and whether each is installed.
 
 A peer spec is ``KIND`` or ``KIND:VARIANT``: ``loom`` (loom with its default dtype),
-``loom:DTYPE`` (an explicit dtype, e.g. ``loom:float32``; the engine validates it),
+``loom:DTYPE`` (an explicit dtype, e.g. ``loom:float32``; the engine validates it), ``loom:kv=KV``
+or ``loom:DTYPE+kv=KV`` (a KV cache dtype, e.g. ``loom:kv=int8``),
 ``transformers``, ``llama.cpp``.
 Adapters are imported only inside their worker process, so a missing package never breaks the
 harness; it is reported as skipped.
@@ -80,7 +81,14 @@ def parse_peers(text: str | list[str] | tuple[str, ...]) -> list[PeerSpec]:
             if kind.variant_option is None or (kind.variants is not None and variant not in kind.variants):
                 allowed = ", ".join(f"{name}:{v}" for v in kind.variants or ()) or "none"
                 raise BenchError(f"peer '{raw}': unknown variant '{variant}' (allowed: {allowed})")
-            options[kind.variant_option] = variant
+            for part in variant.split("+") if kind.name == "loom" else [variant]:
+                key, eq, value = part.partition("=")
+                if eq and key == "kv":
+                    options["kv_cache_dtype"] = value
+                elif eq:
+                    raise BenchError(f"peer '{raw}': unknown option '{key}' (loom takes DTYPE and kv=KV)")
+                else:
+                    options[kind.variant_option] = part
         specs.append(PeerSpec(raw, kind, options))
     if not specs:
         raise BenchError("--peers names no engine")

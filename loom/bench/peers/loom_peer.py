@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from loom.bench.peers.base import Peer, RunTiming, now, request_timing
-from loom.config import EngineConfig, LoadConfig, SchedulerConfig
+from loom.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig
 from loom.engine.engine import Engine
 from loom.sampling_params import SamplingParams
 
@@ -22,15 +22,17 @@ BLOCK_SIZE = 16
 class LoomPeer(Peer):
     def load(self) -> None:
         dtype = self.options.get("dtype", LoadConfig().dtype)
+        kv = self.options.get("kv_cache_dtype", CacheConfig().kv_cache_dtype)
         max_seqs = max(SchedulerConfig().max_num_seqs, self.capacity.max_seqs)
         config = EngineConfig.create(str(self.model_path), dtype=dtype, threads=self.threads,
-                                     enable_prefix_caching=False, block_size=BLOCK_SIZE,
+                                     enable_prefix_caching=False, block_size=BLOCK_SIZE, kv_cache_dtype=kv,
                                      num_blocks=self.capacity.blocks(BLOCK_SIZE) + 1, max_num_seqs=max_seqs)
         self.engine = Engine(config)
-        self.info.update(dtype=dtype, model_load_seconds=self.engine.load_seconds, prefix_caching=False,
-                         kv_blocks=config.cache.num_blocks, block_size=BLOCK_SIZE,
+        kv = self.engine.kv_dtype.name
+        self.info.update(dtype=dtype, kv_cache_dtype=kv, model_load_seconds=self.engine.load_seconds,
+                         prefix_caching=False, kv_blocks=config.cache.num_blocks, block_size=BLOCK_SIZE,
                          max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
-        self.notes.append(f"dtype {dtype}, prefix caching off, KV cache sized to the workload")
+        self.notes.append(f"dtype {dtype}, KV cache {kv}, prefix caching off, KV cache sized to the workload")
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

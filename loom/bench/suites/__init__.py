@@ -13,10 +13,11 @@ from loom.bench.settings import BenchError, BenchSettings
 from loom.bench.suites.base import Suite, SuiteContext
 from loom.bench.suites.concurrency import ConcurrencySuite
 from loom.bench.suites.parallel import ParallelCostSuite, ParallelQualitySuite
-from loom.bench.suites.single import DecodeSuite, PrefillSuite
+from loom.bench.suites.single import DecodeContextSuite, DecodeSuite, PrefillSuite
 
 ALL_SUITES: dict[str, Suite] = {s.name: s for s in (DecodeSuite(), PrefillSuite(), ConcurrencySuite(),
-                                                     ParallelCostSuite(), ParallelQualitySuite())}
+                                                     ParallelCostSuite(), ParallelQualitySuite(),
+                                                     DecodeContextSuite())}
 PARALLEL_SUITES: tuple[str, ...] = ("parallel", "parallel_quality")
 DEFAULT_SUITES: tuple[str, ...] = BenchSettings.suites
 

@@ -52,70 +52,74 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
 }
 
 // In place on qkv [T, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k heads, rotate-half
-// RoPE of q and k at `positions` (tables [P, D]); then k and v are stored at the cache slots
-// (float32 or float16 caches).
+// RoPE of q and k at `positions` (tables [P, D]); then k and v are stored at the cache slots in
+// the cache's format (kv_format: float32 or float16 caches as their dtype, or quantized rows,
+// loom_kernels_kv.h).
 void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                 torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t H, int64_t Hkv,
-                c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps) {
+                c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
+                int64_t kv_format) {
   check_f32_rows(qkv, "qkv");
   const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv has the wrong width");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
-              (k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kHalf),
-              "caches must be contiguous float32 or float16");
-  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
-  const bool half_cache = k_cache.scalar_type() == torch::kHalf;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous and of one dtype");
+  TORCH_CHECK(D % 16 == 0 && D <= 1024, "head_dim must be a multiple of 16, at most 1024");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const float *ct = cos.data_ptr<float>(), *st = sin.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
-  void *kc = k_cache.data_ptr(), *vc = v_cache.data_ptr();
+  uint8_t *kc = (uint8_t*)k_cache.data_ptr(), *vc = (uint8_t*)v_cache.data_ptr();
   float* base = qkv.data_ptr<float>();
   const int64_t ld = qkv.stride(0);
-  at::parallel_for(0, T, T < 8 ? T : 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* row = base + t * ld;
-      const float* c = ct + pos[t] * D;
-      const float* s = st + pos[t] * D;
-      for (int64_t h = 0; h < H + Hkv; ++h) {
-        float* x = row + h * D;
-        const float* nw = h < H ? qn : kn;
-        if (nw) {
-          float ss = 0.0f;
-          for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
-          float r = 1.0f / std::sqrt(ss / (float)D + (float)eps);
-          for (int64_t i = 0; i < D; ++i) x[i] = x[i] * r * nw[i];
+  with_kv_format(k_cache, kv_format, [&](auto c) {
+    using C = decltype(c);
+    TORCH_CHECK(C::fits(D) && kv_head_dim<C>(k_cache) == D && k_cache.size(1) == Hkv,
+                "caches must be [slots, Hkv, D] in their format");
+    const int64_t rb = C::row_bytes(D);
+    at::parallel_for(0, T, T < 8 ? T : 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        float* row = base + t * ld;
+        const float* c = ct + pos[t] * D;
+        const float* s = st + pos[t] * D;
+        for (int64_t h = 0; h < H + Hkv; ++h) {
+          float* x = row + h * D;
+          const float* nw = h < H ? qn : kn;
+          if (nw) {
+            float ss = 0.0f;
+            for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+            float r = 1.0f / std::sqrt(ss / (float)D + (float)eps);
+            for (int64_t i = 0; i < D; ++i) x[i] = x[i] * r * nw[i];
+          }
+          for (int64_t i = 0; i < half; ++i) {
+            float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * s[i];
+            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+          }
         }
-        for (int64_t i = 0; i < half; ++i) {
-          float x1 = x[i], x2 = x[i + half];
-          x[i] = x1 * c[i] - x2 * s[i];
-          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        for (int64_t h = 0; h < Hkv; ++h) {
+          kv_store_row<Isa, C>(kc + (sl[t] * Hkv + h) * rb, row + (H + h) * D, D);
+          kv_store_row<Isa, C>(vc + (sl[t] * Hkv + h) * rb, row + (H + Hkv + h) * D, D);
         }
       }
-      const int64_t at = sl[t] * Hkv * D;
-      if (half_cache) {
-        store_row<Isa>((at::Half*)kc + at, row + H * D, Hkv * D);
-        store_row<Isa>((at::Half*)vc + at, row + (H + Hkv) * D, Hkv * D);
-      } else {
-        store_row<Isa>((float*)kc + at, row + H * D, Hkv * D);
-        store_row<Isa>((float*)vc + at, row + (H + Hkv) * D, Hkv * D);
-      }
-    }
+    });
   });
 }
 
 // Attention of query rows over the paged cache (see loom_kernels_loops.h). q [R, >= H*D]
 // float32 rows; slots [R, Lmax] int64; ctx [R]; groups [NG + 1] row starts and shared [NG],
-// or both empty: every row its own group sharing its whole context.
+// or both empty: every row its own group sharing its whole context. Caches in kv_format (as in
+// rope_store).
 torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                           torch::Tensor ctx, int64_t H, int64_t Hkv, double scale, int64_t window,
-                          c10::optional<torch::Tensor> groups, c10::optional<torch::Tensor> shared) {
+                          c10::optional<torch::Tensor> groups, c10::optional<torch::Tensor> shared,
+                          int64_t kv_format) {
   check_f32_rows(q, "q");
-  const int64_t R = q.size(0), D = k_cache.size(2);
-  TORCH_CHECK(q.size(1) >= H * D && D % 16 == 0 && H % Hkv == 0, "q must hold H * D values per row, D a multiple of 16");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous and of one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == Hkv,
+              "caches must be contiguous [slots, Hkv, row] and of one dtype");
+  const int64_t R = q.size(0);
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.size(0) == R && slots.stride(1) == 1,
               "slots must be an int64 [rows, L] tensor");
   torch::Tensor cl_t = ctx.contiguous();
@@ -131,27 +135,29 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   const int64_t NG = sh_t.numel();
   TORCH_CHECK(gs_t.numel() == NG + 1 && gs_t.scalar_type() == torch::kInt64 && sh_t.scalar_type() == torch::kInt64,
               "groups must hold NG + 1 row starts and shared NG lengths");
-  torch::Tensor out = torch::empty({R, H * D}, q.options());
-  if (R == 0) return out;
-  const bool half = k_cache.scalar_type() == torch::kHalf;
-  TORCH_CHECK(half || k_cache.scalar_type() == torch::kFloat32, "caches must be float32 or float16");
-  auto run = [&](auto c, auto nv) {
+  torch::Tensor out;
+  with_kv_format(k_cache, kv_format, [&](auto c) {
     using C = decltype(c);
-    const PagedAttn<C> a{q.data_ptr<float>(), q.stride(0), (const C*)k_cache.data_ptr(), (const C*)v_cache.data_ptr(),
-                         slots.data_ptr<int64_t>(), slots.stride(0), cl_t.data_ptr<int64_t>(), gs_t.data_ptr<int64_t>(),
-                         sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window, out.data_ptr<float>()};
-    attn_impl<Isa, decltype(nv)::value>(a);
-  };
-  auto run_d = [&](auto c) {   // register-resident fast paths for the common head sizes, a generic loop otherwise
-    switch (D) {
-      case 64: run(c, std::integral_constant<int, 64 / Isa::W>{}); break;
-      case 128: run(c, std::integral_constant<int, 128 / Isa::W>{}); break;
-      case 256: run(c, std::integral_constant<int, 256 / Isa::W>{}); break;
-      default: run(c, std::integral_constant<int, 0>{}); break;
+    const int64_t D = kv_head_dim<C>(k_cache);
+    TORCH_CHECK(q.size(1) >= H * D && C::fits(D) && D <= 1024 && H % Hkv == 0,
+                "q must hold H * D values per row, D a multiple of 16");
+    out = torch::empty({R, H * D}, q.options());
+    if (R == 0) return;
+    auto run = [&](auto nv) {
+      const PagedAttn<C> a{q.data_ptr<float>(), q.stride(0), (const uint8_t*)k_cache.data_ptr(),
+                           (const uint8_t*)v_cache.data_ptr(), C::row_bytes(D), slots.data_ptr<int64_t>(),
+                           slots.stride(0), cl_t.data_ptr<int64_t>(), gs_t.data_ptr<int64_t>(),
+                           sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window, out.data_ptr<float>(),
+                           nullptr, 0, 0, 0};
+      attn_impl<Isa, decltype(nv)::value>(a);
+    };
+    switch (D) {   // register-resident fast paths for the common head sizes, a generic loop otherwise
+      case 64: run(std::integral_constant<int, 64 / Isa::W>{}); break;
+      case 128: run(std::integral_constant<int, 128 / Isa::W>{}); break;
+      case 256: run(std::integral_constant<int, 256 / Isa::W>{}); break;
+      default: run(std::integral_constant<int, 0>{}); break;
     }
-  };
-  if (half) run_d(at::Half{});
-  else run_d(float{});
+  });
   return out;
 }
 
@@ -168,9 +174,12 @@ void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &loom::qgemm, "quantized GEMM with fused activation pre-op");
-  m.def("rope_store", &loom::rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache");
+  m.def("rope_store", &loom::rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache", py::arg("qkv"),
+        py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("H"), py::arg("Hkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("kv_format") = 0);
   m.def("attn_decode", &loom::attn_decode, "attention of query rows over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("ctx"), py::arg("H"), py::arg("Hkv"),
-        py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none());
+        py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
+        py::arg("kv_format") = 0);
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
 }

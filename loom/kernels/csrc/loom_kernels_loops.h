@@ -27,6 +27,7 @@
 
 #include <vector>
 
+#include "loom_kernels_kv.h"
 #include "loom_kernels_simd.h"
 
 namespace loom {
@@ -206,21 +207,33 @@ void store_row(C* dst, const float* src, int64_t n) {
 // One query token per row. Row r has the key slots slots[r, :ctx[r]] (its context in position
 // order); with window W it sees only the last W. Rows come in groups (a sequence's new tokens):
 // the rows of group g agree on their first shared[g] slots, whose keys and values are
-// converted to float once per (group, kv head) and used by every query head of every row in
-// the group; each row's keys past the shared part (its own draft or chunk tokens, a few) are
-// handled one by one. Per (group, kv head), in steps:
+// converted to float once per (group, kv head, part) and used by every query head of every
+// row in the group; each row's keys past the shared part (its own draft nodes) are handled
+// one by one. Cache rows are read through their format C (loom_kernels_kv.h), KB at a time.
 //
-//   QK       p[i, :] for query i = (row, head): shared keys [lo, P) then the row's tail keys
-//   softmax  over the row's visible keys (window), zero elsewhere
-//   PV       sum over keys of p * v, the shared part KB keys at a time from a float buffer
+// Split across keys (flash-decoding): a row's keys are cut at fixed positions into parts of
+// SPLIT keys, [0, SPLIT), [SPLIT, 2 SPLIT), ...; a work item is one (group, part, kv head), so
+// one long sequence spreads over every thread. Per item, in steps:
+//
+//   QK       s[i, t] for query i = (row, head) and the part's keys t (shared, then the row's own)
+//   softmax  e = exp(s - m) over the row's visible keys in the part, m their max, l = sum e
+//   PV       o = sum over the part's keys of e * v, in key order
+//
+// then per query the parts are combined in order: out = sum_p w_p o_p / sum_p w_p l_p with
+// w_p = exp(m_p - max m). Every sum runs in an order fixed by key position (key t in lane t % 16
+// of the softmax sums, parts at fixed positions combined in order), never by the thread count
+// or the batch, so a row's result has the same bits however it is batched.
 
-constexpr int KB = 16;  // shared keys converted to float at a time
+constexpr int KB = 16;           // shared keys converted to float at a time
+constexpr int64_t SPLIT = 256;   // keys per part (a multiple of KB)
+constexpr int64_t PART_O = 16;   // a partial result: m, l, then o from this offset (whole lines)
 
-template <typename C>
+template <class C>
 struct PagedAttn {   // attn_decode's arguments (see there) as raw pointers
   const float* q;
   int64_t ldq;
-  const C *kc, *vc;
+  const uint8_t *kc, *vc;        // row (slot, kv head) at (slot * Hkv + kh) * rb
+  int64_t rb;
   const int64_t* slots;
   int64_t lds;
   const int64_t *ctx, *group_start, *shared;
@@ -228,66 +241,80 @@ struct PagedAttn {   // attn_decode's arguments (see there) as raw pointers
   float scale;
   int64_t window;
   float* out;
+  float* part;                   // partial results [rows from part_row0][H][NP][PS] (PS = PART_O + D)
+  int64_t NP, PS, part_row0;
+  float* partial(int64_t row, int64_t h, int64_t p) const { return part + (((row - part_row0) * H + h) * NP + p) * PS; }
+  const uint8_t* row(const uint8_t* cache, int64_t slot, int64_t kh) const { return cache + (slot * Hkv + kh) * rb; }
+  int64_t first(int64_t row) const { return window > 0 ? std::max<int64_t>(0, ctx[row] - window) : 0; }
 };
 
-struct AttnItem {   // one (row group, kv head) and the buffers of its steps
-  int64_t r0, nr, m, kh, P, lo, Ls, stride;   // rows, queries, shared length, first shared key, scores per query
-  const int64_t* shared_slots;
-  std::vector<int64_t> first;        // per row: its first visible key
-  std::vector<const float*> q;       // per query i = (row, head)
-  std::vector<float*> out;
-  std::vector<float> mem;            // holds, from 64-byte boundaries (whole cache lines per vector):
-  float* kv;                         //   KB keys or values as float rows of D
-  float* scores;                     //   [m, stride]
+struct AttnItem {   // one (row group, part, kv head) and the buffers of its steps
+  int64_t r0, nr, m, kh, P, k1, lo, n;   // rows, queries, shared length, part end, first key, scores per query
+  const int64_t* shared_slots;           // the group's slots from key lo
+  std::vector<int64_t> first;            // per row: its first visible key
+  std::vector<const float*> q;           // per query i = (row, head)
+  std::vector<float*> ml;                // per query: its partial result of this part (m, l, o)
+  std::vector<float*> out;               // per query: o
+  std::vector<float> mem;                // holds, from 64-byte boundaries (whole cache lines per vector):
+  float* kv;                             //   KB keys or values as float rows of D
+  float* scores;                         //   [m, n]
+  float* qrot;                           //   [m, D] rotated queries (rotated formats)
 };
 
-template <typename C>
-void plan_item(const PagedAttn<C>& a, int64_t work, AttnItem& it) {
-  const int64_t G = a.H / a.Hkv, grp = work / a.Hkv;
-  it.kh = work % a.Hkv;
+template <class C>
+void plan_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnItem& it) {
+  const int64_t G = a.H / a.Hkv, D = a.D;
+  it.kh = kh;
   it.r0 = a.group_start[grp];
   it.nr = a.group_start[grp + 1] - it.r0;
   it.m = it.nr * G;
   it.P = a.shared[grp];
   it.first.resize(it.nr);
   it.q.resize(it.m);
+  it.ml.resize(it.m);
   it.out.resize(it.m);
-  int64_t lo = it.P, maxtail = 0;
+  const int64_t k0 = p * SPLIT;
+  int64_t lo = INT64_MAX, maxL = 0;
   for (int64_t r = 0; r < it.nr; ++r) {
-    const int64_t L = a.ctx[it.r0 + r];
-    it.first[r] = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;
+    it.first[r] = a.first(it.r0 + r);
     lo = std::min(lo, it.first[r]);
-    maxtail = std::max(maxtail, L - it.P);
+    maxL = std::max(maxL, a.ctx[it.r0 + r]);
     for (int64_t g = 0; g < G; ++g) {
-      it.q[r * G + g] = a.q + (it.r0 + r) * a.ldq + (it.kh * G + g) * a.D;
-      it.out[r * G + g] = a.out + (it.r0 + r) * a.H * a.D + (it.kh * G + g) * a.D;
+      const int64_t i = r * G + g, h = kh * G + g;
+      it.q[i] = a.q + (it.r0 + r) * a.ldq + h * D;
+      it.ml[i] = a.partial(it.r0 + r, h, p);
+      it.out[i] = it.ml[i] + PART_O;
     }
   }
-  it.lo = lo - lo % KB;   // key t always sits in lane t % W of the softmax sums, whatever the grouping
-  it.Ls = it.P - it.lo;
-  it.stride = it.Ls + maxtail;
+  it.lo = std::max(k0, lo - lo % KB);   // key t always sits in lane t % W of the softmax sums
+  it.k1 = std::min(k0 + SPLIT, maxL);
+  it.n = it.k1 - it.lo;
   it.shared_slots = a.slots + it.r0 * a.lds + it.lo;
-  it.mem.resize(KB * a.D + it.m * it.stride + 48);
+  it.mem.resize(KB * D + it.m * (it.n + D) + 64);
   it.kv = (float*)(((uintptr_t)it.mem.data() + 63) & ~(uintptr_t)63);
-  it.scores = it.kv + KB * a.D + 16;   // one line apart: its stores do not 4K-alias the kv rows' loads
+  it.scores = it.kv + KB * D + 16;   // one line apart: its stores do not 4K-alias the kv rows' loads
+  it.qrot = it.scores + it.m * it.n;
+  if constexpr (C::kRotated)
+    for (int64_t i = 0; i < it.m; ++i) {
+      std::copy(it.q[i], it.q[i] + D, it.qrot + i * D);
+      hadamard(it.qrot + i * D, D);
+      it.q[i] = it.qrot + i * D;
+    }
 }
 
 // the head size: a compile-time constant for the fixed sizes (NV = D / W vectors), else a.D
-template <class V, int NV, typename C>
+template <class V, int NV, class C>
 inline int64_t head_dim(const PagedAttn<C>& a) {
   if constexpr (NV > 0) return V::W * NV;
   else return a.D;
 }
 
-// keys or values of the shared slots [l0, l0 + mm) of kv head kh, as float rows of D
-template <class V, int NV, typename C>
-inline void shared_to_float(const PagedAttn<C>& a, const AttnItem& it, const C* cache, int64_t l0, int64_t mm,
+// keys or values of the shared keys [l0, l0 + mm) (from it.lo) of kv head kh, as float rows of D
+template <class V, int NV, class C>
+inline void shared_to_float(const PagedAttn<C>& a, const AttnItem& it, const uint8_t* cache, int64_t l0, int64_t mm,
                             float* buf) {
   const int64_t D = head_dim<V, NV>(a);
-  for (int64_t r = 0; r < mm; ++r) {
-    const C* src = cache + (it.shared_slots[l0 + r] * a.Hkv + it.kh) * D;
-    for (int64_t j = 0; j < D; j += V::W) V::store(buf + r * D + j, V::load(src + j));
-  }
+  for (int64_t r = 0; r < mm; ++r) C::template load<V>(a.row(cache, it.shared_slots[l0 + r], it.kh), D, buf + r * D);
 }
 
 // W scores <q, k_r> for the keys in buf (rows of D floats); NV = D / W when fixed, else 0
@@ -304,80 +331,73 @@ LOOM_INLINE typename V::F qk(const float* qh, const float* buf, int64_t Drt, int
   return V::reduce(acc);
 }
 
-// QK, shared part: scores of every query over the shared keys, KB at a time, W per vector
-template <class V, int NV, typename C>
+// scores of query i for the mm keys in buf, stored at s
+template <class V, int NV>
+LOOM_INLINE void scores_of(const float* qh, const float* buf, int64_t D, int64_t mm, float* s, typename V::F sv) {
+  for (int64_t h = 0; h < mm; h += V::W) {
+    const float* kb = buf + h * D;
+    const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(qh, kb, D, V::W) : qk<V, NV, false>(qh, kb, D, mm - h);
+    V::store_n(s + h, V::mul(sc, sv), mm - h);
+  }
+}
+
+// QK, shared keys of the part: every query, KB keys at a time
+template <class V, int NV, class C>
 void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
   const typename V::F sv = V::set1(a.scale);
-  const int64_t D = head_dim<V, NV>(a);
-  float* buf = it.kv;
-  for (int64_t l0 = 0; l0 < it.Ls; l0 += KB) {
-    const int64_t mm = std::min<int64_t>(KB, it.Ls - l0);
-    shared_to_float<V, NV>(a, it, a.kc, l0, mm, buf);
+  const int64_t D = head_dim<V, NV>(a), Ls = std::min(it.k1, it.P) - it.lo, G = a.H / a.Hkv;
+  for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
+    const int64_t mm = std::min<int64_t>(KB, Ls - l0);
+    shared_to_float<V, NV>(a, it, a.kc, l0, mm, it.kv);
     for (int64_t i = 0; i < it.m; ++i) {
-      if (a.ctx[it.r0 + i / (a.H / a.Hkv)] <= it.lo + l0) continue;   // keys past its row's context
-      for (int64_t h = 0; h < mm; h += V::W) {
-        const float* kb = buf + h * D;
-        const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(it.q[i], kb, D, V::W)
-                                                : qk<V, NV, false>(it.q[i], kb, D, mm - h);
-        V::store_n(it.scores + i * it.stride + l0 + h, V::mul(sc, sv), mm - h);
-      }
+      if (a.ctx[it.r0 + i / G] <= it.lo + l0) continue;   // keys past its row's context
+      scores_of<V, NV>(it.q[i], it.kv, D, mm, it.scores + i * it.n + l0, sv);
     }
   }
 }
 
-// QK, tail: each row's own keys past the shared part, KB at a time through the same dot product
-// as the shared keys, so a key's score has the same bits whether it is shared or a row's own
-template <class V, int NV, typename C>
+// QK, each row's own keys in the part (past the shared ones), KB at a time through the same dot
+// product as the shared keys, so a key's score has the same bits whether it is shared or not
+template <class V, int NV, class C>
 void tail_scores(const PagedAttn<C>& a, AttnItem& it) {
   const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
   const typename V::F sv = V::set1(a.scale);
-  float* buf = it.kv;
   for (int64_t r = 0; r < it.nr; ++r) {
-    const int64_t row = it.r0 + r, L = a.ctx[row];
-    for (int64_t t0 = std::max<int64_t>(it.P, it.first[r]); t0 < L; t0 += KB) {
+    const int64_t row = it.r0 + r, L = std::min(a.ctx[row], it.k1);
+    for (int64_t t0 = std::max({it.P, it.first[r], it.lo}); t0 < L; t0 += KB) {
       const int64_t mm = std::min<int64_t>(KB, L - t0);
-      for (int64_t j = 0; j < mm; ++j) {
-        const C* src = a.kc + (a.slots[row * a.lds + t0 + j] * a.Hkv + it.kh) * D;
-        for (int64_t c = 0; c < D; c += V::W) V::store(buf + j * D + c, V::load(src + c));
-      }
+      for (int64_t j = 0; j < mm; ++j) C::template load<V>(a.row(a.kc, a.slots[row * a.lds + t0 + j], it.kh), D, it.kv + j * D);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t i = r * G + g;
-        for (int64_t h = 0; h < mm; h += V::W) {
-          const float* kb = buf + h * D;
-          const typename V::F sc = mm - h >= V::W ? qk<V, NV, true>(it.q[i], kb, D, V::W)
-                                                  : qk<V, NV, false>(it.q[i], kb, D, mm - h);
-          V::store_n(it.scores + i * it.stride + it.Ls + t0 - it.P + h, V::mul(sc, sv), mm - h);
-        }
+        scores_of<V, NV>(it.q[i], it.kv, D, mm, it.scores + i * it.n + t0 - it.lo, sv);
       }
     }
   }
 }
 
-// softmax of one score row p[0, n) over the lanes in [a0, a1) or [b0, b1); zero elsewhere
+// p[0, n) -> exp(p - m) over the lanes [a0, a1), zero elsewhere; ml = (m, sum); m = -inf and
+// all zero when no lane is visible
 template <class V>
-void softmax_row(float* p, int64_t n, int a0, int a1, int b0, int b1) {
+void softmax_part(float* p, int64_t n, int a0, int a1, float* ml) {
   using F = typename V::F;
+  if (a1 <= a0) {
+    std::fill(p, p + n, 0.0f);
+    ml[0] = -INFINITY;
+    ml[1] = 0.0f;
+    return;
+  }
   F mxv = V::set1(-INFINITY);
-  for (int64_t l = 0; l < n; l += V::W)
-    mxv = V::max_where(V::in_ranges(l, a0, a1, b0, b1), mxv, V::load_n(p + l, n - l));
-  const F mv = V::set1(V::hmax(mxv));
+  for (int64_t l = 0; l < n; l += V::W) mxv = V::max_where(V::in_ranges(l, a0, a1, 0, 0), mxv, V::load_n(p + l, n - l));
+  const float m = V::hmax(mxv);
+  const F mv = V::set1(m);
   F sum = V::zero();
   for (int64_t l = 0; l < n; l += V::W) {
-    const F e = V::keep(V::in_ranges(l, a0, a1, b0, b1), vexp<V>(V::sub(V::load_n(p + l, n - l), mv)));
+    const F e = V::keep(V::in_ranges(l, a0, a1, 0, 0), vexp<V>(V::sub(V::load_n(p + l, n - l), mv)));
     V::store_n(p + l, e, n - l);
     sum = V::add(sum, e);
   }
-  const F inv = V::set1(1.0f / V::hsum(sum));
-  for (int64_t l = 0; l < n; l += V::W) V::store_n(p + l, V::mul(V::load_n(p + l, n - l), inv), n - l);
-}
-
-// softmax of query i: visible are [a0, a1) of the shared part and [b0, b1) of the tail
-template <class V, typename C>
-void query_softmax(const PagedAttn<C>& a, AttnItem& it, int64_t i) {
-  const int64_t r = i / (a.H / a.Hkv), L = a.ctx[it.r0 + r], f = it.first[r];
-  softmax_row<V>(it.scores + i * it.stride, it.stride, (int)(std::min(f, it.P) - it.lo),
-                 (int)(std::min(L, it.P) - it.lo),
-                 (int)(it.Ls + std::max<int64_t>(0, f - it.P)), (int)(it.Ls + L - it.P));
+  ml[0] = m;
+  ml[1] = V::hsum(sum);
 }
 
 // out[t][W j0 .. W (j0 + NJ)) += sum_r w[t][r] * buf[r][same columns] for QT queries (weights
@@ -400,7 +420,7 @@ LOOM_INLINE void pv_tile(float* const* out, const float* p, int64_t stride, cons
 }
 
 // whether any of the queries i0 .. i0 + n - 1 has keys at or past key t
-template <typename C>
+template <class C>
 inline bool reaches(const PagedAttn<C>& a, const AttnItem& it, int64_t i0, int64_t n, int64_t t) {
   const int64_t G = a.H / a.Hkv;
   for (int64_t i = i0; i < i0 + n; ++i)
@@ -408,15 +428,14 @@ inline bool reaches(const PagedAttn<C>& a, const AttnItem& it, int64_t i0, int64
   return false;
 }
 
-// PV, shared part: the shared keys' values, KB at a time, into every query's output; fixed
-// head sizes in register tiles of QT queries x NJ vectors (V::PV_ACC accumulators)
-template <class V, int NV, typename C>
+// PV, shared keys of the part, KB at a time, into every query's o; fixed head sizes in register
+// tiles of QT queries x NJ vectors (V::PV_ACC accumulators)
+template <class V, int NV, class C>
 void shared_values(const PagedAttn<C>& a, AttnItem& it) {
-  float* buf = it.kv;
-  const int64_t D = head_dim<V, NV>(a), stride = it.stride;
-  for (int64_t l0 = 0; l0 < it.Ls; l0 += KB) {
-    const int64_t mm = std::min<int64_t>(KB, it.Ls - l0);
-    shared_to_float<V, NV>(a, it, a.vc, l0, mm, buf);
+  const int64_t D = head_dim<V, NV>(a), stride = it.n, Ls = std::min(it.k1, it.P) - it.lo;
+  for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
+    const int64_t mm = std::min<int64_t>(KB, Ls - l0);
+    shared_to_float<V, NV>(a, it, a.vc, l0, mm, it.kv);
     const float* p0 = it.scores + l0;
     if constexpr (NV > 0) {
       constexpr int NJ = std::min(NV, V::PV_NJ), QT = V::PV_ACC / NJ;
@@ -425,62 +444,139 @@ void shared_values(const PagedAttn<C>& a, AttnItem& it) {
       for (; i0 + QT <= it.m; i0 += QT)
         if (reaches(a, it, i0, QT, it.lo + l0))   // all-zero weights would add nothing
           for (int64_t j0 = 0; j0 < NV; j0 += NJ)
-            pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
+            pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, it.kv, D, j0, mm);
       for (; i0 < it.m; ++i0)
         if (reaches(a, it, i0, 1, it.lo + l0))
           for (int64_t j0 = 0; j0 < NV; j0 += NJ)
-            pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, buf, D, j0, mm);
+            pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, it.kv, D, j0, mm);
     } else {
       for (int64_t i = 0; i < it.m; ++i) {
         if (!reaches(a, it, i, 1, it.lo + l0)) continue;
         float* oh = it.out[i];
         for (int64_t r = 0; r < mm; ++r) {
           const typename V::F w = V::set1(p0[i * stride + r]);
-          for (int64_t j = 0; j < D; j += V::W) V::store(oh + j, V::fma(w, V::load(buf + r * D + j), V::load(oh + j)));
+          for (int64_t j = 0; j < D; j += V::W)
+            V::store(oh + j, V::fma(w, V::load(it.kv + r * D + j), V::load(oh + j)));
         }
       }
     }
   }
 }
 
-// PV, tail: the values of each row's own keys
-template <class V, int NV, typename C>
+// PV, each row's own keys in the part, one value row at a time for the row's query heads
+template <class V, int NV, class C>
 void tail_values(const PagedAttn<C>& a, AttnItem& it) {
   const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
-  for (int64_t i = 0; i < it.m; ++i) {
-    const int64_t r = i / G, row = it.r0 + r, L = a.ctx[row];
-    float* oh = it.out[i];
-    const float* pi = it.scores + i * it.stride;
-    for (int64_t t = std::max<int64_t>(it.P, it.first[r]); t < L; ++t) {
-      const C* vp = a.vc + (a.slots[row * a.lds + t] * a.Hkv + it.kh) * D;
-      const typename V::F w = V::set1(pi[it.Ls + t - it.P]);
-      for (int64_t j = 0; j < D; j += V::W) V::store(oh + j, V::fma(w, V::load(vp + j), V::load(oh + j)));
+  for (int64_t r = 0; r < it.nr; ++r) {
+    const int64_t row = it.r0 + r, L = std::min(a.ctx[row], it.k1);
+    for (int64_t t = std::max({it.P, it.first[r], it.lo}); t < L; ++t) {
+      C::template load<V>(a.row(a.vc, a.slots[row * a.lds + t], it.kh), D, it.kv);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = r * G + g;
+        float* oh = it.out[i];
+        const typename V::F w = V::set1(it.scores[i * it.n + t - it.lo]);
+        for (int64_t j = 0; j < D; j += V::W) V::store(oh + j, V::fma(w, V::load(it.kv + j), V::load(oh + j)));
+      }
     }
   }
 }
 
-template <class V, int NV, typename C>
-void attn_impl(const PagedAttn<C>& a) {
-  const int64_t G = a.H / a.Hkv;
-  int64_t work_total = 0;
-  for (int64_t g = 0; g < a.NG; ++g) {
-    const int64_t L = a.shared[g] + 1;
-    work_total += (a.group_start[g + 1] - a.group_start[g]) * G * a.D * (a.window > 0 ? std::min(L, a.window) : L);
+template <class V, int NV, class C>
+void attn_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnItem& it) {
+  const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
+  plan_item(a, grp, p, kh, it);
+  shared_scores<V, NV>(a, it);
+  tail_scores<V, NV>(a, it);
+  for (int64_t i = 0; i < it.m; ++i) {
+    const int64_t row = it.r0 + i / G;
+    const int64_t a0 = std::max(a.first(row), it.lo) - it.lo, a1 = std::min(a.ctx[row], it.k1) - it.lo;
+    softmax_part<V>(it.scores + i * it.n, it.n, (int)a0, (int)std::max(a0, a1), it.ml[i]);
+    std::fill(it.out[i], it.out[i] + D, 0.0f);
   }
-  const int64_t per_item = std::max<int64_t>(1, work_total / std::max<int64_t>(1, a.NG * a.Hkv));
+  shared_values<V, NV>(a, it);
+  tail_values<V, NV>(a, it);
+}
+
+// out of query (row, head h): its parts combined in order, rotated back for rotated formats
+template <class V, class C>
+void combine_parts(const PagedAttn<C>& a, int64_t row, int64_t h, std::vector<float>& w) {
+  const float* base = a.partial(row, h, 0);
+  const int64_t p0 = a.first(row) / SPLIT, p1 = (a.ctx[row] + SPLIT - 1) / SPLIT;
+  float M = -INFINITY, l = 0.0f;
+  for (int64_t p = p0; p < p1; ++p) M = std::max(M, base[p * a.PS]);
+  w.resize(p1 - p0);
+  for (int64_t p = p0; p < p1; ++p) {
+    w[p - p0] = std::exp(base[p * a.PS] - M);
+    l += w[p - p0] * base[p * a.PS + 1];
+  }
+  const typename V::F inv = V::set1(1.0f / l);
+  float* o = a.out + row * a.H * a.D + h * a.D;
+  for (int64_t j = 0; j < a.D; j += V::W) {
+    typename V::F acc = V::zero();
+    for (int64_t p = p0; p < p1; ++p) acc = V::fma(V::set1(w[p - p0]), V::load(base + p * a.PS + PART_O + j), acc);
+    V::store(o + j, V::mul(acc, inv));
+  }
+  if constexpr (C::kRotated) hadamard(o, a.D);
+}
+
+// Two schedules with the same arithmetic (so the same bits): few rows (decodes) spread every
+// (group, part, kv head) over the threads, their partial results in one buffer, then combine;
+// many rows (prefill chunks), whose partials for every part at once would be large, give each
+// thread whole (group, kv head) items that run their parts in order and combine in place.
+constexpr int64_t PARTIALS_MAX = 8 << 20;   // bytes of partial results for the first schedule
+
+template <class V, int NV, class C>
+void attn_impl(PagedAttn<C> a) {
+  const int64_t G = a.H / a.Hkv;
+  std::vector<std::pair<int64_t, int64_t>> parts;   // (group, part) of every item, times Hkv heads
+  std::vector<int64_t> first_part(a.NG), end_part(a.NG);
+  int64_t work_total = 0;
+  a.NP = 1;
+  for (int64_t g = 0; g < a.NG; ++g) {
+    int64_t lo = INT64_MAX, maxL = 0;
+    for (int64_t r = a.group_start[g]; r < a.group_start[g + 1]; ++r) {
+      lo = std::min(lo, a.first(r));
+      maxL = std::max(maxL, a.ctx[r]);
+      work_total += G * a.D * (a.ctx[r] - a.first(r));
+    }
+    first_part[g] = lo / SPLIT;
+    end_part[g] = (maxL + SPLIT - 1) / SPLIT;
+    for (int64_t p = first_part[g]; p < end_part[g]; ++p) parts.emplace_back(g, p);
+    a.NP = std::max(a.NP, end_part[g]);
+  }
+  const int64_t R = a.group_start[a.NG];
+  a.PS = PART_O + a.D;
+  a.part_row0 = 0;
+  const int64_t items = (int64_t)parts.size() * a.Hkv;
+  const int64_t per_item = std::max<int64_t>(1, work_total / std::max<int64_t>(1, items));
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / per_item);  // small batches stay on one thread
-  at::parallel_for(0, a.NG * a.Hkv, grain, [&](int64_t w0, int64_t w1) {
+  if (R * a.H * a.NP * a.PS * (int64_t)sizeof(float) <= PARTIALS_MAX) {
+    thread_local std::vector<float> part_mem;   // reused across calls: no allocation on the hot path
+    part_mem.resize(R * a.H * a.NP * a.PS + 16);
+    a.part = (float*)(((uintptr_t)part_mem.data() + 63) & ~(uintptr_t)63);
+    at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+      thread_local AttnItem it;
+      for (int64_t w = w0; w < w1; ++w) attn_item<V, NV>(a, parts[w / a.Hkv].first, parts[w / a.Hkv].second, w % a.Hkv, it);
+    });
+    at::parallel_for(0, R * a.H, std::max<int64_t>(1, (1 << 15) / (a.NP * a.D)), [&](int64_t q0, int64_t q1) {
+      thread_local std::vector<float> w;
+      for (int64_t q = q0; q < q1; ++q) combine_parts<V>(a, q / a.H, q % a.H, w);
+    });
+    return;
+  }
+  at::parallel_for(0, a.NG * a.Hkv, 1, [&](int64_t w0, int64_t w1) {
     thread_local AttnItem it;
+    thread_local std::vector<float> mem, w;
     for (int64_t work = w0; work < w1; ++work) {
-      plan_item(a, work, it);
-      shared_scores<V, NV>(a, it);
-      tail_scores<V, NV>(a, it);
-      for (int64_t i = 0; i < it.m; ++i) {
-        query_softmax<V>(a, it, i);
-        std::fill(it.out[i], it.out[i] + head_dim<V, NV>(a), 0.0f);
-      }
-      shared_values<V, NV>(a, it);
-      tail_values<V, NV>(a, it);
+      const int64_t g = work / a.Hkv, kh = work % a.Hkv, r0 = a.group_start[g], nr = a.group_start[g + 1] - r0;
+      PagedAttn<C> b = a;   // partials of this group's rows only
+      b.NP = end_part[g];
+      mem.resize(nr * a.H * b.NP * a.PS + 16);
+      b.part = (float*)(((uintptr_t)mem.data() + 63) & ~(uintptr_t)63);
+      b.part_row0 = r0;
+      for (int64_t p = first_part[g]; p < end_part[g]; ++p) attn_item<V, NV>(b, g, p, kh, it);
+      for (int64_t r = r0; r < r0 + nr; ++r)
+        for (int64_t h = kh * G; h < kh * G + G; ++h) combine_parts<V>(b, r, h, w);
     }
   });
 }

@@ -12,6 +12,7 @@
 //   in_ranges      lanes l + j inside [a0, a1) or [b0, b1)
 //   store_s8       GROUP scaled floats -> int8 (round to nearest even, saturate); returns
 //                  the sum of the int8 codes (the GEMM's offset term uses it)
+//   i8x16_to_f     16 int8 lanes of an SSE register -> 16 / W float vectors (quantized KV rows)
 #pragma once
 
 #include <torch/extension.h>
@@ -100,6 +101,7 @@ struct Vec512 {
   }
   static F max_where(Mask m, F acc, F v) { return _mm512_mask_max_ps(acc, m, acc, v); }
   static F keep(Mask m, F v) { return _mm512_maskz_mov_ps(m, v); }   // v where m, else 0
+  static void i8x16_to_f(__m128i x, F* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)); }
 
   static int32_t store_s8(int8_t* dst, const F* v) {
     const __m512i q0 = _mm512_cvtps_epi32(v[0]), q1 = _mm512_cvtps_epi32(v[1]);
@@ -167,6 +169,10 @@ struct Vec256 {
   }
   static F max_where(Mask m, F acc, F v) { return _mm256_blendv_ps(acc, _mm256_max_ps(acc, v), m); }
   static F keep(Mask m, F v) { return _mm256_and_ps(m, v); }
+  static void i8x16_to_f(__m128i x, F* out) {
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+  }
 
   // 32 int8 codes in order (the per-lane packing undone); returns their sum
   static int32_t store_s8(int8_t* dst, const F* v) {

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.config import ModelConfig
+from loom.model.kv_dtypes import format_of
 from loom.model.layers.attention import AttentionMetadata, paged_attention, paged_attention_stored
 from loom.model.layers.linear import PRE_GEGLU, PRE_RMSNORM, LinearBackend, fused_kernels, make_linear
 from loom.model.layers.norm import rms_norm
@@ -112,11 +113,12 @@ class Gemma3ForCausalLM:
         top = int(positions.max()) + 1 if positions.numel() else 0
         self.rope_local.ensure(top)
         self.rope_global.ensure(top)
+        fmt = format_of(kv_caches[0][0], cfg.head_dim).kernel_id   # the cache's row format
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             rope = self.rope_local if layer.sliding else self.rope_global
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
-                            H, Hkv, layer.q_norm, layer.k_norm, eps)
+                            H, Hkv, layer.q_norm, layer.k_norm, eps, fmt)
             window = cfg.sliding_window if layer.sliding else None
             o = paged_attention_stored(qkv, H, k_cache, v_cache, meta, cfg.attn_scale, window, kern)
             kern.add_rmsnorm(h, layer.o(o), layer.post_attn_norm, eps)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.config import ModelConfig
+from loom.model.kv_dtypes import format_of
 from loom.model.layers.attention import AttentionMetadata, paged_attention, paged_attention_stored
 from loom.model.layers.linear import PRE_RMSNORM, PRE_SWIGLU, LinearBackend, fused_kernels, make_linear
 from loom.model.layers.norm import rms_norm
@@ -89,10 +90,11 @@ class LlamaForCausalLM:
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids]                                          # [T, D]
         self.rope.ensure(int(positions.max()) + 1 if positions.numel() else 0)
+        fmt = format_of(kv_caches[0][0], cfg.head_dim).kernel_id   # the cache's row format
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
-                            meta.slot_mapping, H, Hkv, None, None, 0.0)
+                            meta.slot_mapping, H, Hkv, None, None, 0.0, fmt)
             o = paged_attention_stored(qkv, H, k_cache, v_cache, meta, cfg.attn_scale, None, kern)
             layer.o(o, out=h, accumulate=True)
             gate_up = layer.gate_up(h, PRE_RMSNORM, layer.ffn_norm, eps)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from loom.model.kv_dtypes import format_of
+
 ROW_QUERY_MAX = 32   # rows per kernel group (a group converts its shared keys to float once)
 
 
@@ -154,9 +156,10 @@ class KernelRows:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    # caches: [num_slots, Hkv, D]; k, v: [T, Hkv, D]
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # caches: [num_slots, Hkv, row] in their format (loom/model/kv_dtypes); k, v: [T, Hkv, D]
+    fmt = format_of(k_cache, k.shape[-1])
+    k_cache.index_copy_(0, slot_mapping, fmt.encode(k))
+    v_cache.index_copy_(0, slot_mapping, fmt.encode(v))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -167,13 +170,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     T, H, D = q.shape
+    fmt = format_of(k_cache, D)
     if kern is not None:
         rows = meta.kernel_rows()
         out = None if not rows.rest else torch.empty(T, H, D, dtype=q.dtype)
         if rows.ctx.numel():
             qr = q.flatten(1) if rows.tokens is None else q[rows.tokens].flatten(1)    # [R, H*D]
             od = kern.attn_decode(qr.contiguous(), k_cache, v_cache, rows.slots, rows.ctx,
-                                  H, k_cache.shape[1], scale, window or 0, rows.groups, rows.shared)
+                                  H, k_cache.shape[1], scale, window or 0, rows.groups, rows.shared,
+                                  fmt.kernel_id)
             if out is None:
                 return od
             out[rows.tokens] = od.view(-1, H, D)
@@ -183,8 +188,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     meta._decode_group()
     if meta.decode_seqs:
         qd = (q if out is None else q[meta.decode_tokens]).unsqueeze(2)   # [Sd, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)        # [Sd, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+        kd = fmt.decode(k_cache[meta.decode_slots]).transpose(1, 2).to(q.dtype)   # [Sd, Hkv, L, D]
+        vd = fmt.decode(v_cache[meta.decode_slots]).transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(window),
                                             scale=scale, enable_gqa=True)  # [Sd, H, 1, D]
         if out is None:
@@ -207,10 +212,11 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     """Attention on loom's kernels, for a fused [T, (H + 2 Hkv) * D] projection whose q/k are
     already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
     rows = meta.kernel_rows()
+    H, Hkv = num_heads, k_cache.shape[1]
+    D = qkv.shape[1] // (H + 2 * Hkv)
     if not rows.rest:   # every token is a row: the kernel reads q straight from the qkv rows
-        return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx,
-                                num_heads, k_cache.shape[1], scale, window or 0, rows.groups, rows.shared)
-    H, Hkv, D = num_heads, k_cache.shape[1], k_cache.shape[2]
+        return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx, H, Hkv, scale, window or 0,
+                                rows.groups, rows.shared, format_of(k_cache, D).kernel_id)
     heads = qkv.view(qkv.shape[0], -1, D)
     return paged_attention(heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], k_cache, v_cache, meta,
                            scale, window, stored=True, kern=kern)
@@ -219,17 +225,18 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
 def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale, window):
     # q: [n, H, D]; keys: the sequence's whole context [ctx, Hkv, D]
     n = q.shape[0]
+    fmt = format_of(k_cache, q.shape[-1])
     first = 0 if not window else max(0, ctx - n - window + 1)  # oldest key any query can see
     qh = q.transpose(0, 1).unsqueeze(0)                           # [1, H, n, D]
     if ctx == n and (not window or ctx <= window) and tree_mask is None:
         # keys as the cache holds them, so chunking never changes a result
-        kh = k_new.to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-        vh = v_new.to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        kh = fmt.round_trip(k_new).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+        vh = fmt.round_trip(v_new).to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     key_slots = slots[first:ctx]
-    kh = k_cache[key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
-    vh = v_cache[key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+    kh = fmt.decode(k_cache[key_slots]).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
+    vh = fmt.decode(v_cache[key_slots]).transpose(0, 1).unsqueeze(0).to(q.dtype)
     q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)                   # [n, 1]
     if tree_mask is not None:  # a tree node's position: the new tokens it sees, after the context
         q_pos = (ctx - n - 1 + tree_mask.sum(dim=1)).unsqueeze(1)
