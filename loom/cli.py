@@ -247,6 +247,10 @@ def serve(
     speculative_config: str | None = typer.Option(
         None, "--speculative-config", help='Speculative decoding as JSON, e.g. \'{"method": "auto"}\' '
                                            '(methods: prompt_lookup, token_recycling, lookahead, draft_model, auto).'),
+    kv_eviction: str | None = typer.Option(
+        None, "--kv-eviction", help='Default KV eviction of requests as JSON, e.g. \'{"policy": "streaming", '
+                                    '"budget": 1024}\' (policies: streaming, snapkv; a request\'s own '
+                                    'kv_eviction wins, {"policy": "none"} opts out).'),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
@@ -285,6 +289,7 @@ def serve(
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                  num_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=prefix_caching, seed=seed,
+                                 kv_eviction=_json_option(kv_eviction, "--kv-eviction"),
                                  speculative_config=_json_option(speculative_config, "--speculative-config"))
     if cluster is not None:
         from loom.cluster.launch import run_cluster
