@@ -381,6 +381,9 @@ def eval_(
     engine: str = typer.Option("loom", "--engine", help="Who computes: loom, or llama.cpp over the same tokens."),
     dtype: str = typer.Option("auto", "--dtype", help="loom's dtype: auto, float32 or bfloat16."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="loom's KV cache: auto, float32, float16."),
+    kv_eviction: str | None = typer.Option(
+        None, "--kv-eviction", help='Score with KV eviction, as JSON (e.g. \'{"policy": "streaming", "budget": 512}\'); '
+                                    'snapkv compresses each window\'s first context - stride tokens.'),
     kld: bool = typer.Option(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
                                                   "agreement, probability shift."),
     base: Path | None = typer.Option(None, "--base", help="Reference saved with --save-base (implies --kld; "
@@ -404,8 +407,13 @@ def eval_(
     bos = tokenizer.bos_token_id if tokenizer.add_bos else None
     windows = ev.Windows.build(ids, context, stride, bos, chunks)
     if engine == "loom":
-        source = ev.open_source("loom", model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, threads=threads)
+        source = ev.open_source("loom", model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, threads=threads,
+                                kv_eviction=_json_option(kv_eviction, "--kv-eviction"),
+                                prompt_tokens=windows.context - windows.stride)
     else:
+        if kv_eviction is not None:
+            raise typer.BadParameter(f"--kv-eviction is loom's; --engine {engine} cannot use it",
+                                     param_hint="--kv-eviction")
         source = ev.open_source(engine, model=model, context=context, threads=threads)
     reference = None
     if base is not None:

@@ -210,6 +210,10 @@ class Scheduler:
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
             if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
                 hit = PrefixHit([], 0)   # every prompt position's logits are needed: compute it all
+            elif req.runs_past_context and hit.num_tokens > req.eviction.budget:
+                # cached KV past the budget was computed over context this request would have evicted
+                k = req.eviction.budget // self.block_size
+                hit = PrefixHit(hit.block_ids[:k], k * self.block_size)
             n = max(0, min(req.compute_end - hit.num_tokens, budget))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:
