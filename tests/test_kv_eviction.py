@@ -291,3 +291,24 @@ def test_real_model_streams_past_its_context(real_models):
     tokens = run(engine, prompt, params)
     assert len(tokens) == 64
     assert "fox" in tok.decode(tokens)           # it keeps the pattern going past position 256
+
+
+# -- loom eval's scorer ------------------------------------------------------------------------------------
+
+
+def test_eval_scorer_cuts_the_context_as_the_engine_does(tiny_parts):
+    from loom.model.runner import score_slices
+    from loom.model.score_evicted import score_evicted
+
+    _, model, _ = tiny_parts
+    toks = list(range(5, 205))
+    full = torch.cat(list(score_slices(model, toks, 0)))
+    roomy = make_policy(KVEvictionParams("streaming", budget=400))
+    assert torch.allclose(torch.cat(list(score_evicted(model, toks, 0, roomy, 100))), full, atol=1e-5)
+    for params in (KVEvictionParams("streaming", budget=64), KVEvictionParams("snapkv", budget=64, window=8)):
+        cut = torch.cat(list(score_evicted(model, toks, 0, make_policy(params), 120)))
+        assert cut.shape == full.shape
+        assert torch.allclose(cut[:60], full[:60], atol=1e-5)          # nothing evicted yet
+        assert not torch.allclose(cut[130:], full[130:], atol=1e-3)    # past the budget the context is cut
+    tail = torch.cat(list(score_evicted(model, toks, 150, make_policy(KVEvictionParams("streaming", budget=64)), 0)))
+    assert tail.shape[0] == 49

@@ -229,7 +229,8 @@ class Engine:
         req = self._live(request_id)
         tokens = [int(t) for t in append_token_ids]
         if tokens:
-            check_token_ids(req.all_token_ids + tokens, self.model.cfg.vocab_size, self.max_model_len,
+            check_token_ids(req.all_token_ids + tokens, self.model.cfg.vocab_size,
+                            None if req.runs_past_context else self.max_model_len,
                             f"request '{request_id}' with its appended tokens")
         for t in tokens:
             req.append_token(t)

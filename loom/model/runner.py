@@ -89,6 +89,9 @@ class ModelRunner:
             self.states.pop(rid, None)
             if self.spec is not None:
                 self.spec.finish(rid)
+        for rid in out.preempted_req_ids:   # recomputed from scratch: a half-recorded window is void
+            if rid in self.states:
+                self.states[rid].observed.clear()
         for new in out.new_requests:
             p = new.params
             banned = () if p.min_tokens == 0 else tuple(sorted(
