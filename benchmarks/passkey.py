@@ -3,8 +3,11 @@
 The prompt is synthetic (generated here, seeded): repeated filler sentences, the passkey line
 at a fraction `depth` of the way in, and the question at the end; the model answers greedily
 and a trial counts as found when the passkey's digits are in the first 12 generated tokens.
-Each configuration (full KV, StreamingLLM, SnapKV at each budget) runs the same prompts, on one
-engine with the prefix cache off, so every request computes its own prompt.
+Each configuration (full KV, StreamingLLM, SnapKV at each budget) runs the same prompts on one
+engine. The prefix cache is on, as a server runs: full KV computes the prompt first; SnapKV,
+whose prefill is full attention too, takes it from the cache except its observation window,
+which it computes for the queries; StreamingLLM takes at most its budget from the cache and
+computes the rest chunk by chunk over its cut context (docs/kv_eviction.md).
 
 Run from the repository root:
     .venv/bin/python benchmarks/passkey.py --model smollm2-135m --lengths 4096 8000 --budgets 512 1024
@@ -62,8 +65,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the per-trial results here")
     args = ap.parse_args()
 
-    engine = Engine(EngineConfig.create(args.model, threads=args.threads, enable_prefix_caching=False,
-                                        max_model_len=max(args.lengths) + 64))
+    engine = Engine(EngineConfig.create(args.model, threads=args.threads, max_model_len=max(args.lengths) + 64))
     tok = engine.tokenizer
     configs = [("full KV", None)] if "full" in args.policies else []
     for policy in ("streaming", "snapkv"):

@@ -210,10 +210,8 @@ class Scheduler:
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
             if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
                 hit = PrefixHit([], 0)   # every prompt position's logits are needed: compute it all
-            elif req.runs_past_context and hit.num_tokens > req.eviction.budget:
-                # cached KV past the budget was computed over context this request would have evicted
-                k = req.eviction.budget // self.block_size
-                hit = PrefixHit(hit.block_ids[:k], k * self.block_size)
+            elif req.eviction is not None:
+                hit = self._evicting_hit(req, hit)
             n = max(0, min(req.compute_end - hit.num_tokens, budget))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:
@@ -231,6 +229,18 @@ class Scheduler:
             budget -= n
         self.waiting = [r for r in self.waiting if r not in admitted]
         return budget
+
+    def _evicting_hit(self, req: Request, hit: PrefixHit) -> PrefixHit:
+        """A prefix hit cut for an evicting request: StreamingLLM takes at most its budget (cached
+        KV past it was computed over context the request would have evicted); SnapKV computes
+        its observation window itself (its queries are needed), the rest may come from the cache."""
+        pol = req.eviction
+        if pol.observes:
+            limit = req.num_tokens - pol.params.window if req.num_tokens > pol.budget else hit.num_tokens
+        else:
+            limit = pol.budget
+        k = min(hit.num_tokens, max(limit, 0)) // self.block_size
+        return hit if k == len(hit.block_ids) else PrefixHit(hit.block_ids[:k], k * self.block_size)
 
     def _build_output(self, grants: dict[str, int], copies: list, preempted: list[str],
                       moves: list) -> SchedulerOutput:
