@@ -229,6 +229,21 @@ def test_snapkv_compresses_the_prompt_to_the_budget(make_tiny):
     assert run(engine, list(range(5, 25)), params) == run(make_tiny(), list(range(5, 25)), greedy(12))
 
 
+def test_prefix_hits_are_cut_to_what_the_policy_could_hold(make_tiny):
+    engine = make_tiny()
+    prompt = list(range(5, 105))
+    run(engine, prompt, greedy(2))                                   # caches 96 tokens of the prompt
+    cached = {}
+    for name, eviction in (("plain", None), ("streaming", STREAM),
+                           ("snapkv", {"policy": "snapkv", "budget": 32, "window": 8})):
+        rid = engine.add_request(prompt, greedy(2, eviction))
+        engine.step()
+        cached[name] = engine.scheduler.requests[rid].num_cached_tokens
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert cached == {"plain": 96, "streaming": 32, "snapkv": 92}    # snapkv: 100 - 8, whole blocks
+
+
 def test_engine_default_and_bad_combinations(make_tiny):
     engine = make_tiny(kv_eviction=STREAM, max_model_len=64)
     assert len(run(engine, list(range(5, 85)), greedy(80))) == 80                # the default applies
