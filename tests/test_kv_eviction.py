@@ -296,6 +296,7 @@ def test_server_accepts_kv_eviction_and_refuses_bad_values(make_tiny):
 # -- a real model ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.real_model
 def test_real_model_streams_past_its_context(real_models):
     engine = real_models.engine("smollm2-135m", dtype="auto", max_model_len=256, num_blocks=64,
                                 max_num_batched_tokens=128)
