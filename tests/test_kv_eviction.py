@@ -328,3 +328,20 @@ def test_eval_scorer_cuts_the_context_as_the_engine_does(tiny_parts):
         assert not torch.allclose(cut[130:], full[130:], atol=1e-3)    # past the budget the context is cut
     tail = torch.cat(list(score_evicted(model, toks, 150, make_policy(KVEvictionParams("streaming", budget=64)), 0)))
     assert tail.shape[0] == 49
+
+
+def test_sliding_window_model_evicts_too(tiny_gemma3_path):
+    """Gemma 3 (sliding-window layers): a roomy budget changes nothing, a tight one runs on."""
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+
+    def make(**options):
+        return Engine(EngineConfig.create(str(tiny_gemma3_path), block_size=4, num_blocks=256,
+                                          max_num_batched_tokens=16, max_num_seqs=4, **options))
+
+    prompt = list(range(5, 60))
+    plain = run(make(), prompt, greedy(24))
+    assert run(make(enable_prefix_caching=False), prompt, greedy(24, {"policy": "streaming", "budget": 256})) == plain
+    engine = make(max_model_len=48)
+    assert len(run(engine, prompt, greedy(40, {"policy": "streaming", "budget": 24}))) == 40
+    assert len(run(engine, prompt[:40], greedy(6, {"policy": "snapkv", "budget": 24, "window": 4}))) == 6
