@@ -289,6 +289,10 @@ def serve(
     seed: int = typer.Option(0, help="Seed of unseeded sampling."),
     speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
+    kv_eviction: str | None = typer.Option(
+        None, "--kv-eviction", help='Default KV eviction of requests as JSON, e.g. \'{"policy": "streaming", '
+                                    '"budget": 1024}\' (policies: streaming, snapkv; a request\'s own '
+                                    'kv_eviction wins, {"policy": "none"} opts out).'),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
@@ -327,6 +331,7 @@ def serve(
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                                  num_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, seed=seed,
+                                 kv_eviction=_json_option(kv_eviction, "--kv-eviction"),
                                  speculative_config=_speculative(speculative_config, spec_datastore))
     if cluster is not None:
         from loom.cluster.launch import run_cluster
@@ -437,6 +442,9 @@ def eval_(
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
                                        help="loom's KV cache: auto, float32, float16, int8, int4; with "
                                             "--engine llama.cpp its cache type, with flash attention: f16, q8_0, q4_0."),
+    kv_eviction: str | None = typer.Option(
+        None, "--kv-eviction", help='Score with KV eviction, as JSON (e.g. \'{"policy": "streaming", "budget": 512}\'); '
+                                    'snapkv compresses each window\'s first context - stride tokens.'),
     kld: bool = typer.Option(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
                                                   "agreement, probability shift."),
     base: Path | None = typer.Option(None, "--base", help="Reference saved with --save-base (implies --kld; "
@@ -460,8 +468,13 @@ def eval_(
     bos = tokenizer.bos_token_id if tokenizer.add_bos else None
     windows = ev.Windows.build(ids, context, stride, bos, chunks)
     if engine == "loom":
-        source = ev.open_source("loom", model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, threads=threads)
+        source = ev.open_source("loom", model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, threads=threads,
+                                kv_eviction=_json_option(kv_eviction, "--kv-eviction"),
+                                prompt_tokens=windows.context - windows.stride)
     else:
+        if kv_eviction is not None:
+            raise typer.BadParameter(f"--kv-eviction is loom's; --engine {engine} cannot use it",
+                                     param_hint="--kv-eviction")
         kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
         source = ev.open_source(engine, model=model, context=context, threads=threads, **kv)
     reference = None

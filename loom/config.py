@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from loom.errors import InvalidRequestError
+from loom.eviction_params import KVEvictionParams
 
 # dtype choice -> linear backend mode (loom.model.layers.linear). Activations, the residual
 # stream and the KV cache stay float32 in every mode.
@@ -60,6 +61,9 @@ class CacheConfig:
     num_blocks: int | None = None       # overrides kv_cache_memory (tests)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"        # "auto": float16 with loom's kernels, float32 in the exact mode; int8, int4
+    # the default KV eviction of requests that do not set SamplingParams.kv_eviction (a dict or
+    # KVEvictionParams; loom serve --kv-eviction JSON); None: no eviction
+    kv_eviction: KVEvictionParams | None = None
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -70,6 +74,8 @@ class CacheConfig:
             raise _bad("num_blocks", self.num_blocks, "a positive integer")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
+        eviction = KVEvictionParams.create(self.kv_eviction)
+        object.__setattr__(self, "kv_eviction", eviction if eviction is not None and eviction.enabled else None)
 
 
 @dataclass(frozen=True)

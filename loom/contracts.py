@@ -92,6 +92,13 @@ class ScheduledSeq:
     block_table: list[int]
     sample: bool             # sample a token from the logits of the last one
     draft_parents: tuple[int, ...] = ()  # a draft tree's parents; its tokens end token_ids
+    # KV eviction: the KV index of the first new token (None: start_pos, nothing evicted); the
+    # slot list the attention reads is the block table's first kv_start + len(token_ids) slots
+    kv_start: int | None = None
+    # SnapKV: record the queries of new tokens at positions >= observe_from (the observation
+    # window), and after the step, with `select`, choose the KV entries to keep
+    observe_from: int | None = None
+    select: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
     preempted_req_ids: list[str] = field(default_factory=list)
+    kv_moves: list[tuple[int, int]] = field(default_factory=list)  # KV eviction: (src, dst) slots, first of all
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +130,7 @@ class RunnerOutput:
     dead_ends: list[str] = field(default_factory=list)  # grammar admits no token of the vocabulary: ended
     # req_id -> logprobs of prompt tokens 1.. computed this step, in order (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    kv_keep: dict[str, list[int]] = field(default_factory=dict)  # req_id -> KV indices to keep (SnapKV)
 
 
 @dataclass(frozen=True)

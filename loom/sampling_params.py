@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.errors import InvalidRequestError
+from loom.eviction_params import KVEvictionParams
 
 # A temperature below this is treated as 0: the request decodes greedily.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -170,6 +171,10 @@ class SamplingParams:
     prompt_logprobs: None, or k >= 0: the logprob of every prompt token after the first (given
         the tokens before it) and its k most probable alternatives (at most 20). The prompt is
         then computed in full (no prefix-cache hit), chunk by chunk; not with n > 1 or best_of.
+    kv_eviction: evict KV entries of this request under a token budget (`KVEvictionParams`, or a
+        dict of it: {"policy": "streaming" | "snapkv" | "none", "budget", "sinks", "window",
+        "pool"}); None takes the engine's default (`--kv-eviction`), policy "none" opts out of it.
+        Not with prompt_logprobs (their context would be cut) or n > 1 / best_of.
     """
 
     n: int = 1
@@ -193,6 +198,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    kv_eviction: KVEvictionParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, "an integer >= 1")
@@ -256,6 +262,14 @@ class SamplingParams:
                 raise _fail("prompt_logprobs", self.prompt_logprobs, allowed)
             if self.n > 1 or (self.best_of or 1) > 1:
                 raise InvalidRequestError("prompt_logprobs is computed once per prompt: use n = 1 without best_of")
+        self.kv_eviction = KVEvictionParams.create(self.kv_eviction)
+        if self.kv_eviction is not None and self.kv_eviction.enabled:
+            if self.prompt_logprobs is not None:
+                raise InvalidRequestError("kv_eviction cannot be combined with prompt_logprobs: "
+                                          "the prompt's context would be evicted while it is scored")
+            if self.n > 1 or (self.best_of or 1) > 1:
+                raise InvalidRequestError("kv_eviction cannot be combined with n > 1 or best_of: "
+                                          "evicting sequences do not share KV blocks")
         if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
             # a grammar ends where it ends: past its end only a stop token is allowed
             raise InvalidRequestError("structured_outputs cannot be combined with ignore_eos or min_tokens > 0")

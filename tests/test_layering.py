@@ -18,6 +18,7 @@ LOOM = Path(__file__).resolve().parent.parent / "loom"
 # lower layers only: not its own layer's other units, never a higher one.
 LAYERS: list[set[str]] = [
     {"errors"},
+    {"eviction_params"},            # KV eviction settings, held by sampling_params and config
     {"sampling_params", "config", "outputs"},
     {"contracts"},
     {"kernels", "loader", "kv", "sample"},

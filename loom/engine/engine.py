@@ -16,6 +16,7 @@ from loom.engine.groups import ChildSpec, FanOutOptions, RequestGroups, child_re
 from loom.engine.request import Request, RequestStatus, check_token_ids
 from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
+from loom.kv.eviction import make_policy
 from loom.loader.cache import file_sha256
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
@@ -69,6 +70,11 @@ class Engine:
                                  num_blocks * bs)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.spec = self._speculative_decoder(num_blocks)
+        if config.cache.kv_eviction is not None:
+            if self.spec is not None:
+                raise InvalidRequestError("kv_eviction cannot be combined with speculative decoding "
+                                          "(speculative_config): choose one")
+            self._check_budget(config.cache.kv_eviction)
         self.structured = StructuredOutputs(self.tokenizer, self.model.cfg.vocab_size)
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
                                   seed=config.seed, spec=self.spec, structured=self.structured)
@@ -121,10 +127,16 @@ class Engine:
             self.structured.compile(params.structured_outputs)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        params = self._with_eviction(params, fanout)
+        eviction = make_policy(params.kv_eviction)
+        past_context = eviction is not None and not eviction.observes
         text, ids = self._tokenize(prompt)
-        check_token_ids(ids, self.model.cfg.vocab_size, self.max_model_len, "prompt")
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        check_token_ids(ids, self.model.cfg.vocab_size, None if past_context else self.max_model_len, "prompt")
+        if past_context:   # a StreamingLLM request runs as long as asked; by default a context's worth
+            max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
+        else:
+            room = self.max_model_len - len(ids)
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
             rid = str(next(self._ids))
             while rid in self.scheduler.requests:  # a caller's own id may look like ours
@@ -137,7 +149,7 @@ class Engine:
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
         req = Request(rid, ids, params, max_tokens, prompt=text, priority=priority,
-                      eos_token_ids=self.tokenizer.stop_token_ids)
+                      eos_token_ids=self.tokenizer.stop_token_ids, eviction=eviction)
         self.scheduler.add(req)
         if params.effective_best_of > 1 or fanout is not None:
             self.groups.add(req, fanout)
@@ -145,12 +157,43 @@ class Engine:
             self.outputs[rid] = OutputState(req, self.tokenizer)
         return rid
 
+    def _with_eviction(self, params: SamplingParams, fanout) -> SamplingParams:
+        """`params` with the KV eviction the request gets: its own, else the engine's default
+        where the request can take it; checked against what the engine serves."""
+        own = params.kv_eviction
+        default = self.config.cache.kv_eviction
+        if own is None:
+            fits = (default is not None and params.prompt_logprobs is None and params.effective_best_of == 1
+                    and fanout is None and self.spec is None)
+            return params.clone(kv_eviction=default) if fits else params
+        if not own.enabled:
+            return params.clone(kv_eviction=None)
+        if self.spec is not None:
+            raise InvalidRequestError(f"kv_eviction cannot be combined with speculative decoding "
+                                      f"(this engine runs speculative_config method {self.config.speculative.method!r})")
+        if fanout is not None:
+            raise InvalidRequestError("kv_eviction cannot be combined with fan-out (n > 1, best_of, beam search)")
+        self._check_budget(own)
+        return params
+
+    def _check_budget(self, own) -> None:
+        bs, limit = self.config.cache.block_size, self.max_model_len
+        if own.budget < 2 * bs:
+            raise InvalidRequestError(f"kv_eviction budget ({own.budget}) must be at least two KV blocks "
+                                      f"(block_size {bs}): eviction frees whole blocks")
+        if own.budget > limit - bs:
+            raise InvalidRequestError(f"kv_eviction budget ({own.budget}) must leave a block of the context limit "
+                                      f"({limit}) free: it is the most KV one sequence may hold")
+
     # -- the fork primitive (loom.parallel builds beams and fork/join programs on it) -----
     def spawn(self, parent_id: str, specs: Sequence[ChildSpec]) -> list[str]:
         """Forks `parent_id` into one child request per spec; the children share the KV of the
         parent's computed tokens and produce their own outputs from `step()`. The parent is
         left as it was (finish, pause or keep it running as you need)."""
         parent = self._live(parent_id, "cannot fork request")
+        if parent.eviction is not None:
+            raise InvalidRequestError(f"cannot fork request '{parent_id}': kv_eviction cannot be combined with forks "
+                                      f"(beam search, fork/join)")
         ids = [s.request_id for s in specs]
         if any(i in self.scheduler.requests or i in self.groups for i in ids) or len(set(ids)) != len(ids):
             raise InvalidRequestError(f"child request ids must be new and distinct, got {ids}")
@@ -191,7 +234,8 @@ class Engine:
         req = self._live(request_id)
         tokens = [int(t) for t in append_token_ids]
         if tokens:
-            check_token_ids(req.all_token_ids + tokens, self.model.cfg.vocab_size, self.max_model_len,
+            check_token_ids(req.all_token_ids + tokens, self.model.cfg.vocab_size,
+                            None if req.runs_past_context else self.max_model_len,
                             f"request '{request_id}' with its appended tokens")
         for t in tokens:
             req.append_token(t)

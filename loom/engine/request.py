@@ -9,20 +9,22 @@ from dataclasses import dataclass, field
 
 from loom.contracts import DraftTree
 from loom.errors import InvalidRequestError
+from loom.kv.eviction import EvictionPolicy
 from loom.outputs import RequestMetrics, SampleLogprobs
 from loom.sampling_params import SamplingParams
 
 _arrival = itertools.count()
 
 
-def check_token_ids(ids: list[int], vocab_size: int, max_model_len: int, what: str) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, max_model_len: int | None, what: str) -> None:
     """The one check of token ids entering the engine (prompts, forks, forced tokens): every id
-    in [0, vocab_size), and at least one position left to generate within the context."""
+    in [0, vocab_size), and at least one position left to generate within the context (unless
+    max_model_len is None: a request whose KV is evicted may run past the context window)."""
     if not ids:
         raise InvalidRequestError(f"{what} is empty: give at least one token")
     if max(ids) >= vocab_size or min(ids) < 0:
         raise InvalidRequestError(f"{what} token ids must be in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
+    if max_model_len is not None and len(ids) >= max_model_len:
         raise InvalidRequestError(f"{what} is {len(ids)} tokens, the context limit is {max_model_len} "
                                   f"(at least one token must be left to generate)")
 
@@ -48,6 +50,10 @@ class Request:
         all_token_ids: | prompt ............ | output ....... |
                        0                     num_prompt       num_tokens
         computed:      |<-- num_computed_tokens -->|  (KV in the cache)
+        KV entries:    |<- kv_len ->|                    (fewer when KV was evicted)
+
+    With KV eviction (`eviction`), `num_evicted` computed tokens have no KV entry any more:
+    positions (RoPE) count all computed tokens, the block table holds kv_len entries.
 
     Each step the scheduler grants `num_tokens - num_computed_tokens` (or a chunk of it)
     new tokens; a token is sampled when the grant reaches `num_tokens`.
@@ -77,6 +83,10 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     compute_limit: int | None = None
     draft: DraftTree | None = None       # speculative tokens proposed for the next step (not committed)
+    eviction: EvictionPolicy | None = None
+    num_evicted: int = 0                 # computed tokens whose KV entries were evicted
+    kv_keep: list[int] | None = None     # a selection (KV indices) waiting to be applied next step
+    kv_selected: bool = False            # the prompt-end selection (SnapKV) is done
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -99,6 +109,16 @@ class Request:
     def compute_end(self) -> int:
         """Where the scheduler's grants stop: `num_tokens`, or `compute_limit` when lower."""
         return self.num_tokens if self.compute_limit is None else min(self.num_tokens, self.compute_limit)
+
+    @property
+    def kv_len(self) -> int:
+        """KV entries the request's block table holds."""
+        return self.num_computed_tokens - self.num_evicted
+
+    @property
+    def runs_past_context(self) -> bool:
+        """Its KV stays within a budget however long it runs (StreamingLLM)."""
+        return self.eviction is not None and not self.eviction.observes
 
     @property
     def is_prefill(self) -> bool:

@@ -24,6 +24,13 @@ them as computed and trims the KV blocks past that (rejected drafts):
     step:      | computed ... | t | d0 d1 d2 d3 |     granted 1 + 4
     accepted:  d0 d1, then bonus b
     after:     | computed ...  t  d0 d1 | b         num_computed = start + 3; blocks trimmed there
+
+KV eviction (`Request.eviction`, loom/kv/eviction): before a running request's grant is
+allocated, its policy may free whole blocks (StreamingLLM) or a selection made at the end of its
+prompt is applied by packing the kept entries into fresh blocks (SnapKV; the slot moves go to the
+runner in `kv_moves`). The request's positions keep counting every computed token; its KV length
+(`kv_len`) is what the block table holds, and `ScheduledSeq.kv_start` tells the runner where the
+new tokens go. A StreamingLLM request is not stopped at max_model_len.
 """
 
 from __future__ import annotations
@@ -119,6 +126,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         grants: dict[str, int] = {}
         copies: list[tuple[int, int]] = []
+        moves: list[tuple[int, int]] = []
         preempted: list[str] = []
         # decodes first, then prefill chunks; each in priority/FCFS order
         for req in sorted(self.running, key=lambda r: (r.is_prefill, r.sort_key())):
@@ -129,6 +137,8 @@ class Scheduler:
             n = min(req.compute_end - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            if req.eviction is not None:
+                moves += self._evict(req, n)
             alloc = self._allocate_draft(req, budget) if n == 1 and req.draft is not None else None
             if alloc is None:
                 req.draft = None
@@ -141,11 +151,26 @@ class Scheduler:
             budget -= n
         if not preempted:
             budget = self._admit(budget, grants, copies)
-        return self._build_output(grants, copies, preempted)
+        return self._build_output(grants, copies, preempted, moves)
+
+    def _evict(self, req: Request, n: int) -> list[tuple[int, int]]:
+        """Applies the request's eviction policy before a grant of n tokens; returns slot moves."""
+        if req.kv_keep is not None:
+            moves = self.kv.compact(req.request_id, req.kv_keep)
+            if moves is None:
+                return []        # too few free blocks to pack into: try again next step
+            req.num_evicted += req.kv_len - len(req.kv_keep)
+            req.kv_keep = None
+            return moves
+        drop = req.eviction.blocks_to_drop(req.kv_len, n, self.block_size)
+        if drop:
+            self.kv.drop_blocks(req.request_id, drop)
+            req.num_evicted += len(drop) * self.block_size
+        return []
 
     def _allocate_or_preempt(self, req: Request, n: int, grants: dict[str, int], preempted: list[str]):
         while True:
-            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n)
+            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.kv_len, n)
             if alloc is not None:
                 return alloc
             victims = [r for r in self.running if r.request_id not in grants]
@@ -171,6 +196,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_evicted, req.kv_keep, req.kv_selected = 0, None, False
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.append(req)
@@ -184,6 +210,8 @@ class Scheduler:
             hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
             if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
                 hit = PrefixHit([], 0)   # every prompt position's logits are needed: compute it all
+            elif req.eviction is not None:
+                hit = self._evicting_hit(req, hit)
             n = max(0, min(req.compute_end - hit.num_tokens, budget))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:
@@ -202,7 +230,20 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r not in admitted]
         return budget
 
-    def _build_output(self, grants: dict[str, int], copies: list, preempted: list[str]) -> SchedulerOutput:
+    def _evicting_hit(self, req: Request, hit: PrefixHit) -> PrefixHit:
+        """A prefix hit cut for an evicting request: StreamingLLM takes at most its budget (cached
+        KV past it was computed over context the request would have evicted); SnapKV computes
+        its observation window itself (its queries are needed), the rest may come from the cache."""
+        pol = req.eviction
+        if pol.observes:
+            limit = req.num_tokens - pol.params.window if req.num_tokens > pol.budget else hit.num_tokens
+        else:
+            limit = pol.budget
+        k = min(hit.num_tokens, max(limit, 0)) // self.block_size
+        return hit if k == len(hit.block_ids) else PrefixHit(hit.block_ids[:k], k * self.block_size)
+
+    def _build_output(self, grants: dict[str, int], copies: list, preempted: list[str],
+                      moves: list) -> SchedulerOutput:
         seqs, new = [], []
         for req in self.running:
             n = grants.get(req.request_id)
@@ -213,7 +254,9 @@ class Scheduler:
                 self._seen_by_runner.add(req.request_id)
                 new.append(NewRequestData(req.request_id, list(req.prompt_token_ids), req.params))
             draft = req.draft if req.draft is not None and start + 1 == req.num_tokens else None
-            if draft is None:
+            if req.eviction is not None:
+                seqs.append(self._evicting_seq(req, start, n))
+            elif draft is None:
                 seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
                                          self.kv.block_table(req.request_id), start + n == req.num_tokens))
             else:
@@ -221,7 +264,22 @@ class Scheduler:
                                          self.kv.block_table(req.request_id), True, draft.parents))
             self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
         finished, self._finished_since_last = self._finished_since_last, []
-        return SchedulerOutput(seqs, new, finished, copies, preempted)
+        return SchedulerOutput(seqs, new, finished, copies, preempted, moves)
+
+    def _evicting_seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
+        """The step of a request under KV eviction: its new tokens go at KV index kv_len; an
+        observing policy (SnapKV) records the prompt's last `window` queries and selects at its end."""
+        end = start + n
+        observe_from, select = None, False
+        pol = req.eviction
+        if pol.observes and not req.kv_selected and req.num_tokens > pol.budget:
+            first = req.num_tokens - pol.params.window
+            if end > first:
+                observe_from, select = first, end == req.num_tokens
+        if end == req.num_tokens:
+            req.kv_selected = True   # a short prompt needs no selection; a long one gets it now
+        return ScheduledSeq(req.request_id, req.all_token_ids[start:end], start, self.kv.block_table(req.request_id),
+                            end == req.num_tokens, kv_start=req.kv_len, observe_from=observe_from, select=select)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Applies a step's results; returns the requests that got tokens or finished."""
@@ -237,6 +295,8 @@ class Scheduler:
                 touched.append(req)
                 continue
             req.draft = result.drafts.get(seq.req_id)
+            if seq.req_id in result.kv_keep:
+                req.kv_keep = result.kv_keep[seq.req_id]
             tokens = result.sampled.get(seq.req_id)
             if seq.draft_parents:  # the accepted drafts are computed, the rest rolled back
                 req.num_computed_tokens -= len(seq.draft_parents) - (len(tokens) - 1)
@@ -270,7 +330,8 @@ class Scheduler:
             if tok in p.stop_token_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
                 return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or (req.num_tokens >= self.max_model_len
+                                                       and not req.runs_past_context):
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -23,12 +23,15 @@ import torch
 from loom.config import CacheConfig, LoadConfig
 from loom.engine.engine import kv_cache_format
 from loom.errors import InvalidRequestError, LoomError
+from loom.eviction_params import KVEvictionParams
 from loom.eval.windows import Window, Windows
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import Tokenizer
 from loom.model.build import load_model
+from loom.kv.eviction import make_policy
 from loom.model.runner import score_slices
+from loom.model.score_evicted import score_evicted
 
 ROWS = 64   # scored positions per slice
 
@@ -42,10 +45,13 @@ class LogprobSource(Protocol):
 
 class LoomSource:
     """loom as `LLM(model, dtype=..., kv_cache_dtype=...)` computes a prompt: the same model
-    backends, KV cache element type and prefill chunk size."""
+    backends, KV cache element type and prefill chunk size. With `kv_eviction` (a dict or
+    KVEvictionParams) the KV list is cut as the engine cuts it (loom/model/score_evicted.py); a
+    selecting policy (SnapKV) takes each window's first `prompt_tokens` as the prompt."""
 
     def __init__(self, model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", chunk: int = 512,
-                 threads: int | None = None):
+                 threads: int | None = None, kv_eviction: dict | KVEvictionParams | None = None,
+                 prompt_tokens: int | None = None):
         load = LoadConfig(model=model, dtype=dtype, threads=threads)
         if threads:
             torch.set_num_threads(threads)
@@ -57,9 +63,16 @@ class LoomSource:
         self.kv_dtype = kv_cache_format(kv_cache_dtype, self.model)
         self.chunk = chunk
         self.vocab_size = self.model.cfg.vocab_size
-        self.label = f"loom {dtype} (KV {self.kv_dtype.name})"
+        self.eviction = make_policy(KVEvictionParams.create(kv_eviction))
+        self.prompt_tokens = prompt_tokens
+        cut = "" if self.eviction is None else f", {self.eviction.name} {self.eviction.budget}"
+        self.label = f"loom {dtype} (KV {self.kv_dtype.name}{cut})"
 
     def logprobs(self, window: Window) -> Iterator[torch.Tensor]:
+        if self.eviction is not None:
+            prompt = self.prompt_tokens if self.prompt_tokens is not None else window.first + 1
+            return score_evicted(self.model, window.tokens, window.first, self.eviction, prompt, self.kv_dtype,
+                                 prefill_chunk=self.chunk, rows=ROWS)
         return score_slices(self.model, window.tokens, window.first, self.kv_dtype, self.chunk, ROWS)
 
 

@@ -73,6 +73,9 @@ class _Request:
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached: int = 0  # leading table entries already offered to the prefix cache
     extra_key: object = None
+    # set by eviction: the table no longer holds every token, so later blocks hold KV computed
+    # over a cut context and must never enter the prefix cache
+    evicted: bool = False
 
 
 class KVCacheManager:
@@ -205,7 +208,7 @@ class KVCacheManager:
             req.num_cached = first_written
             del req.hashes[first_written:]
 
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not req.evicted:
             num_full = min(end, num_committed) // bs
             if num_full > req.num_cached:
                 self._extend_hashes(req, token_ids, num_full)
@@ -227,7 +230,7 @@ class KVCacheManager:
             raise ValueError(f"cannot fork into request {child_id!r}: it already holds blocks")
         self.pool.touch(parent.blocks)
         self._reqs[child_id] = _Request(list(parent.blocks), list(parent.hashes), parent.num_cached,
-                                        parent.extra_key)
+                                        parent.extra_key, parent.evicted)
 
     def trim(self, req_id: Hashable, num_tokens: int) -> None:
         """Keeps only the blocks covering slots 0..num_tokens-1 and frees the rest, last first.
@@ -247,6 +250,48 @@ class KVCacheManager:
         full = num_tokens // self.block_size
         del req.hashes[full:]
         req.num_cached = min(req.num_cached, full)
+
+    def drop_blocks(self, req_id: Hashable, indices: Sequence[int]) -> None:
+        """KV eviction: takes the table entries at `indices` out of the request's table and drops
+        its reference to each (last first). The table closes up, so the request's KV entries
+        after them move down by block_size each; a block others hold (a prefix-cache hit, a
+        fork) stays theirs, unchanged, and a cached one stays findable in the prefix cache."""
+        req = self._reqs[req_id]
+        indices = sorted(set(indices))
+        if not indices:
+            return
+        if indices[0] < 0 or indices[-1] >= len(req.blocks):
+            raise IndexError(f"block indices {indices} are outside request {req_id!r}'s {len(req.blocks)} blocks")
+        dropped = [req.blocks[i] for i in indices]
+        for i in reversed(indices):
+            del req.blocks[i]
+        self._stop_caching(req, indices[0])
+        self.pool.free(reversed(dropped))
+
+    def compact(self, req_id: Hashable, keep: Sequence[int]) -> list[tuple[int, int]] | None:
+        """KV eviction at token granularity: the request keeps only its KV entries at indices
+        `keep` (ascending), in that order. Leading blocks kept whole stay in place; the other kept
+        entries are packed into fresh blocks and every block after the leading ones is released
+        (never written: shared and cached blocks stay as they are). Returns the (src slot, dst slot)
+        moves the runner makes before anything else of the next step, or None, changing nothing,
+        when the pool has too few free blocks."""
+        req = self._reqs[req_id]
+        bs = self.block_size
+        lead = 0
+        while lead < len(keep) and keep[lead] == lead:
+            lead += 1
+        lead_blocks = lead // bs
+        rest = keep[lead_blocks * bs:]
+        need = -(-len(rest) // bs)
+        if need > self.pool.num_free_blocks():
+            return None
+        fresh = self.pool.get_new_blocks(need)
+        moves = [(req.blocks[x // bs] * bs + x % bs, fresh[j // bs] * bs + j % bs) for j, x in enumerate(rest)]
+        released = req.blocks[lead_blocks:]
+        req.blocks = req.blocks[:lead_blocks] + fresh
+        self._stop_caching(req, lead_blocks)
+        self.pool.free(reversed(released))
+        return moves
 
     def free(self, req_id: Hashable) -> None:
         """Releases all of the request's blocks, last first, and forgets the request."""
@@ -291,6 +336,12 @@ class KVCacheManager:
                 raise ValueError(f"request {req_id!r} already uses a different extra key")
             req.extra_key, req.hashes = extra_key, []
         return req
+
+    @staticmethod
+    def _stop_caching(req: _Request, first_changed: int) -> None:
+        req.evicted = True
+        req.num_cached = min(req.num_cached, first_changed)
+        del req.hashes[req.num_cached:]
 
     def _extend_hashes(self, req: _Request, token_ids: Sequence[int], num_blocks: int) -> None:
         """Memoised chain: hashes only the blocks not hashed before."""

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from loom.model.kv_dtypes import KVFormat, kv_format
+from loom.model.kv_dtypes import KVFormat, format_of, kv_format
+
+
+def kv_keys(layers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, head_dim: int):
+    """`keys(layer)`: that layer's keys at `slots`, decoded to float32 [len(slots), kv_heads,
+    head_dim] whatever the cache's format (what a scoring eviction policy reads)."""
+    def keys(layer: int) -> torch.Tensor:
+        k = layers[layer][0]
+        return format_of(k, head_dim).decode(k[slots])
+    return keys
 
 
 class KVCacheTensors:

@@ -8,6 +8,12 @@ It owns the model, the paged KV cache tensors and the per-request sampling state
     slot_mapping | cache slot of each new token's K/V        |      [T]
     kv_slots[s]  | slots of positions 0 .. context_s - 1     |      per sequence
 
+With KV eviction a sequence's positions and its KV indices part: positions (what RoPE rotates
+by) count every computed token, while its KV list holds only the kept entries, in order, and the
+new tokens go at KV index `kv_start`. Keys were rotated at their own positions when stored, so
+a kept key keeps its rotation and the attention between a new query and it sees their true
+distance (docs/kv_eviction.md).
+
 and computes logits only for the rows it samples (the last new token of a sequence
 whose grant reaches its end).
 """
@@ -20,8 +26,9 @@ from typing import Iterator
 
 import torch
 
-from loom.contracts import DraftTree, RunnerOutput, SchedulerOutput, SpecHost, TokenLogprobs
-from loom.model.kv_cache import KVCacheTensors
+from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost, TokenLogprobs
+from loom.kv.eviction import EvictionPolicy, make_policy
+from loom.model.kv_cache import KVCacheTensors, kv_keys
 from loom.model.kv_dtypes import KVFormat
 from loom.model.layers.attention import AttentionMetadata, tree_attention_mask
 from loom.sample.sampler import Sampler, SamplingBatch, argmax_rows, request_generator
@@ -38,6 +45,8 @@ class _ReqState:
     output_token_ids: list[int] = field(default_factory=list)
     matcher: GrammarMatcher | None = None    # structured output: the grammar's position
     prompt_lp_done: int = 0                  # prompt positions whose next-token logprobs were returned
+    eviction: EvictionPolicy | None = None
+    observed: list[list[tuple[torch.Tensor, int | None]]] = field(default_factory=list)  # SnapKV, per chunk
 
     @property
     def plain_greedy(self) -> bool:
@@ -81,23 +90,31 @@ class ModelRunner:
             self.states.pop(rid, None)
             if self.spec is not None:
                 self.spec.finish(rid)
+        for rid in out.preempted_req_ids:   # recomputed from scratch: a half-recorded window is void
+            if rid in self.states:
+                self.states[rid].observed.clear()
         for new in out.new_requests:
             p = new.params
             banned = () if p.min_tokens == 0 else tuple(sorted(
                 set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.stop_token_ids))))
             matcher = None if p.structured_outputs is None else self.structured.matcher(p.structured_outputs)
             self.states[new.req_id] = _ReqState(p, new.prompt_token_ids, request_generator(p), banned,
-                                                matcher=matcher)
+                                                matcher=matcher, eviction=make_policy(p.kv_eviction))
+        if out.kv_moves:   # before the copies: a block freed by eviction may be a copy's destination
+            src, dst = zip(*out.kv_moves)
+            self.kv.move_slots(torch.tensor(src), torch.tensor(dst))
         if not out.seqs:
             return RunnerOutput({})
         self.kv.copy_blocks(out.block_copies, self.block_size)
         input_ids, positions, meta = build_batch(out.seqs, self.block_size)
+        observers = self._observe(meta, out.seqs)
         t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)      # [T, D]
         prompt_lps = self._prompt_logprobs(hidden, meta, out.seqs)
+        kv_keep = self._select(meta, out.seqs, observers) if observers else {}
         sample_seqs = [i for i, s in enumerate(out.seqs) if s.sample]
         if not sample_seqs:
-            return RunnerOutput({}, prompt_logprobs=prompt_lps)
+            return RunnerOutput({}, prompt_logprobs=prompt_lps, kv_keep=kv_keep)
         # one row per sampled sequence, or 1 + its draft nodes when it verifies a draft
         counts = [1 + len(out.seqs[i].draft_parents) for i in sample_seqs]
         rows = torch.cat([torch.arange(meta.query_starts[i] + meta.query_lens[i] - c, meta.query_starts[i]
@@ -109,7 +126,44 @@ class ModelRunner:
             self.spec.record_step(out, time.perf_counter() - t0)
             result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
         result.prompt_logprobs.update(prompt_lps)
+        result.kv_keep.update(kv_keep)
         return result
+
+    def _observe(self, meta, seqs: list[ScheduledSeq]) -> list[tuple[int, int, int]]:
+        """Asks the layers to record the queries of SnapKV's observation windows in this batch;
+        returns (sequence, first batch row, rows) of each."""
+        found, rows = [], []
+        for i, s in enumerate(seqs):
+            if s.observe_from is None:
+                continue
+            lo = max(s.observe_from, s.start_pos)
+            if lo == s.observe_from:   # the window starts in this chunk: forget an earlier attempt
+                self.states[s.req_id].observed.clear()
+            first = meta.query_starts[i] + lo - s.start_pos
+            n = s.start_pos + len(s.token_ids) - lo
+            found.append((i, first, n))
+            rows.append(torch.arange(first, first + n))
+        if found:
+            meta.observe_rows = torch.cat(rows)
+        return found
+
+    def _select(self, meta, seqs: list[ScheduledSeq], observers) -> dict[str, list[int]]:
+        """Files each sequence's recorded queries; at the end of a prompt, its policy's selection."""
+        keep, at = {}, 0
+        for i, first, n in observers:
+            s, st = seqs[i], self.states[seqs[i].req_id]
+            st.observed.append([(q[at:at + n], w) for q, w in meta.observed])
+            at += n
+            if not s.select:
+                continue
+            layers = [(torch.cat([chunk[j][0] for chunk in st.observed]), st.observed[0][j][1])
+                      for j in range(len(st.observed[0]))]
+            st.observed.clear()
+            keys = kv_keys(self.kv.layers, meta.kv_slots[i], self.model.cfg.head_dim)
+            chosen = st.eviction.select(layers, keys, self.model.cfg.attn_scale)
+            if chosen is not None:
+                keep[s.req_id] = chosen
+        return keep
 
     def _prompt_logprobs(self, hidden: torch.Tensor, meta, seqs) -> dict[str, list[TokenLogprobs]]:
         """For requests that asked (SamplingParams.prompt_logprobs = k): the logprob of each prompt
@@ -231,7 +285,8 @@ def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, Atte
     ids, pos, query_lens, ctx_lens, kv_slots, masks = [], [], [], [], [], []
     offsets = torch.arange(block_size)
     for s in seqs:
-        n, ctx = len(s.token_ids), s.start_pos + len(s.token_ids)
+        kv_start = s.start_pos if s.kv_start is None else s.kv_start
+        n, ctx = len(s.token_ids), kv_start + len(s.token_ids)     # ctx: KV entries, not positions
         ids += s.token_ids
         nd = len(s.draft_parents)
         root = s.start_pos + n - nd - 1

@@ -150,7 +150,9 @@ class BeamSearch:
         if num_logprobs > MAX_LOGPROBS:
             raise InvalidRequestError(f"beam search needs the top {num_logprobs} logprobs per beam, more than "
                                       f"{MAX_LOGPROBS}: lower beam_width (or num_groups)")
-        self.beam_params = SamplingParams(temperature=0.0, logprobs=num_logprobs, max_tokens=None, ignore_eos=True)
+        # beams fork: the engine's default KV eviction does not apply to them
+        self.beam_params = SamplingParams(temperature=0.0, logprobs=num_logprobs, max_tokens=None, ignore_eos=True,
+                                          kv_eviction={"policy": "none"})
         self.prefix = f"beam{next(_search_ids)}"
         root = engine.add_request(prompt, self.beam_params, request_id=self._fresh_id("root"))
         req = engine.scheduler.requests[root]

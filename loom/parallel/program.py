@@ -52,6 +52,8 @@ class Program:
         params = params or SamplingParams()
         if params.effective_best_of != 1:
             raise InvalidRequestError("a thread is one completion: use n=1 (spawn makes more)")
+        if params.kv_eviction is None:   # threads fork: the engine's default KV eviction does not apply
+            params = params.clone(kv_eviction={"policy": "none"})
         rid = self.engine.add_request(prompt, params)
         return self._adopt(rid, None, "")
 

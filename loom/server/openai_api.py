@@ -271,7 +271,8 @@ class OpenAIServing:
             repetition_penalty=given(body.repetition_penalty, 1.0), seed=body.seed, stop=body.stop,
             stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens, structured_outputs=_constraint(body))
+            skip_special_tokens=body.skip_special_tokens, structured_outputs=_constraint(body),
+            kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True))
 
     # -- running a group ---------------------------------------------------------------------
     @staticmethod

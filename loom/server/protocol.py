@@ -135,6 +135,20 @@ class StructuredOutputsRequest(_Request):
     structural_tag: dict | str | None = Field(None, description="An xgrammar structural tag.")
 
 
+class KVEvictionRequest(_Request):
+    """Extension: evict this request's KV entries under a token budget (loom's `kv_eviction`)."""
+
+    policy: Literal["streaming", "snapkv", "none"] = Field(description="streaming: attention sinks + a recent "
+                                                           "window (may run past the context); snapkv: keep "
+                                                           "the prompt tokens the last ones attend to; none: "
+                                                           "opt out of the server's default.")
+    budget: PositiveCount | None = Field(None, description="Most tokens of the sequence kept in the KV cache.")
+    sinks: Count | None = Field(None, description="First tokens always kept (default 4).")
+    window: PositiveCount | None = Field(None, description="Recent tokens always kept (snapkv: the observation "
+                                                           "window, default 32).")
+    pool: PositiveCount | None = Field(None, description="snapkv: width of the score pooling (odd, default 7).")
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -168,6 +182,8 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = Field(False, description="Extension.")
     skip_special_tokens: bool = Field(True, description="Extension.")
     loom: LoomOptions | None = Field(None, description="Extension: aggregation and early stopping over n.")
+    kv_eviction: KVEvictionRequest | None = Field(None, description="Extension: KV eviction policy and budget "
+                                                  "(StreamingLLM or SnapKV); omitted takes the server's default.")
 
 
 # -- completions -------------------------------------------------------------------------------

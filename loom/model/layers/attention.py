@@ -59,6 +59,10 @@ class AttentionMetadata:
     decode_key_pos: torch.Tensor | None = None  # [1, Lmax] key positions 0..Lmax-1
     decode_ctx: torch.Tensor | None = None      # [Sd, 1] context lengths
     prefill_seqs: list[int] = field(default_factory=list)
+    # SnapKV's observation window: batch rows whose (rotated) queries every layer records, in
+    # layer order, as (q [R, H, D] float32, the layer's sliding window or None)
+    observe_rows: torch.Tensor | None = None
+    observed: list[tuple[torch.Tensor, int | None]] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
     _rows: "KernelRows | None" = None
 
@@ -169,6 +173,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     (already written), returns [T, H*D]. `kern`: loom's kernels, for the decode group."""
     if not stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        _observe(meta, q, window)
     T, H, D = q.shape
     fmt = format_of(k_cache, D)
     if kern is not None:
@@ -211,6 +216,7 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
                            meta: AttentionMetadata, scale: float, window: int | None, kern) -> torch.Tensor:
     """Attention on loom's kernels, for a fused [T, (H + 2 Hkv) * D] projection whose q/k are
     already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
+    _observe(meta, qkv.view(qkv.shape[0], -1, k_cache.shape[2])[:, :num_heads], window)
     rows = meta.kernel_rows()
     H, Hkv = num_heads, k_cache.shape[1]
     D = qkv.shape[1] // (H + 2 * Hkv)
@@ -220,6 +226,11 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     heads = qkv.view(qkv.shape[0], -1, D)
     return paged_attention(heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], k_cache, v_cache, meta,
                            scale, window, stored=True, kern=kern)
+
+
+def _observe(meta: AttentionMetadata, q: torch.Tensor, window: int | None) -> None:
+    if meta.observe_rows is not None:
+        meta.observed.append((q[meta.observe_rows].float(), window))
 
 
 def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale, window):

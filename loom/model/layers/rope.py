@@ -23,10 +23,13 @@ class RotaryEmbedding:
         self.ensure(min(MIN_TABLE, max_positions))
 
     def ensure(self, n: int) -> None:
-        """Tables cover positions below `n` (at most `max_positions`)."""
+        """Tables cover positions below `n` (past `max_positions` only when asked for: a sequence
+        that evicts KV may run past the model's context window)."""
         if n <= self.cos.shape[0]:
             return
-        p = min(max(n, 2 * self.cos.shape[0], MIN_TABLE), self.max_positions)
+        # doubling stops at the model's context; past it (a sequence that evicts KV) it doubles on
+        cap = self.max_positions if n <= self.max_positions else max(n, 2 * self.cos.shape[0])
+        p = min(max(n, 2 * self.cos.shape[0], MIN_TABLE), cap)
         freqs = torch.outer(torch.arange(p, dtype=torch.float32), self.inv_freq)        # [P, Dh/2]
         emb = torch.cat([freqs, freqs], dim=-1)                                          # [P, Dh]
         self.cos, self.sin = emb.cos(), emb.sin()

@@ -1,0 +1,68 @@
+"""Scoring a sequence under KV eviction, for `loom eval --kv-eviction`: the logits the engine's
+path would give each token when the request's cache is cut by a policy, over a private cache.
+
+The KV list (slots the attention reads, in order) is cut exactly as the engine cuts a request's
+block table: before every chunk, a block-freeing policy (StreamingLLM) frees whole blocks of
+`block_size` entries; a selecting policy (SnapKV) observes the last `window` tokens of the
+prompt (the first `prompt_len` tokens) in a chunk of their own and keeps its selection for the
+rest. Positions are the true ones throughout, as in the engine.
+
+    streaming  chunks of `chunk` tokens, each seeing at most `budget` entries (kept + itself)
+    snapkv     [0, P - w) in chunks, [P - w, P) observed, then P.. over the kept prompt + itself
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from loom.kv.eviction import EvictionPolicy
+from loom.model.kv_cache import KVCacheTensors, kv_keys
+from loom.model.kv_dtypes import KVFormat
+from loom.model.layers.attention import AttentionMetadata
+
+
+def _chunks(T: int, policy: EvictionPolicy, prompt_len: int, chunk: int, prefill_chunk: int) -> list[tuple[int, int]]:
+    if not policy.observes:
+        return [(a, min(T, a + chunk)) for a in range(0, T, chunk)]
+    w = min(policy.params.window, prompt_len)
+    cuts = list(range(0, prompt_len - w, prefill_chunk)) + [prompt_len - w] + list(range(prompt_len, T, prefill_chunk))
+    cuts = sorted(set(c for c in cuts if c < T)) + [T]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+@torch.inference_mode()
+def score_evicted(model, token_ids, first: int, policy: EvictionPolicy, prompt_len: int,
+                  kv_dtype: torch.dtype | KVFormat | None = None, chunk: int = 16, block_size: int = 16,
+                  prefill_chunk: int = 512, rows: int = 64) -> Iterator[torch.Tensor]:
+    """Log-probabilities [r, V] (float32) of the next token at positions first .. T-2, `rows` at
+    a time, in order (as `score_slices`), with `policy` cutting the KV list."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    T = ids.shape[0]
+    if T < 2 or not 0 <= first < T - 1:
+        raise ValueError(f"score_evicted needs at least two tokens and 0 <= first < {T - 1}, got {T}, first={first}")
+    kv = KVCacheTensors(model.cfg, T, kv_dtype or model.dtype).layers
+    slots = torch.arange(T)
+    kept = slots[:0]                                                    # the KV list before the chunk
+    observe_end = prompt_len if policy.observes and prompt_len > policy.budget else -1
+    for a, b in _chunks(T, policy, prompt_len, chunk, prefill_chunk):
+        drop = policy.blocks_to_drop(kept.numel(), b - a, block_size)
+        if drop:
+            gone = torch.zeros(kept.numel(), dtype=torch.bool)
+            for j in drop:
+                gone[j * block_size:(j + 1) * block_size] = True
+            kept = kept[~gone]
+        kv_list = torch.cat([kept, slots[a:b]])
+        meta = AttentionMetadata.build(slots[a:b], [b - a], [kv_list.numel()], [kv_list])
+        if b == observe_end:
+            meta.observe_rows = torch.arange(b - a)
+        hidden = model.forward(ids[a:b], slots[a:b], meta, kv)                      # [b - a, D]
+        kept = kv_list
+        if b == observe_end:
+            keep = policy.select(meta.observed, kv_keys(kv, kv_list, model.cfg.head_dim), model.cfg.attn_scale)
+            if keep is not None:
+                kept = kv_list[torch.tensor(keep)]
+        for r0 in range(max(a, first), min(b, T - 1), rows):
+            r1 = min(b, T - 1, r0 + rows)
+            yield model.compute_logits(hidden[r0 - a:r1 - a]).float().log_softmax(dim=-1)   # [r1 - r0, V]
