@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from loom_server import LoomServer
 
 from loom import LLM, SamplingParams
@@ -100,17 +101,77 @@ def test_preemption_with_recompute_keeps_the_grammar_state(make_tiny):
         assert re.fullmatch(r"(ab|ba){10}", a.outputs[0].text)
 
 
-def test_speculative_decoding_never_drafts_for_a_constrained_request(tiny_llama_path, tiny_parts):
-    _, model, tok = tiny_parts
-    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": r"(xy){6}"})
-    plain = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4), model=model, tokenizer=tok)
-    spec = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4,
-                                      speculative_config={"method": "prompt_lookup", "adaptive": False}),
+def _spec_engine(tiny_parts, **spec):
+    path, model, tok = tiny_parts
+    return Engine(EngineConfig.create(str(path), block_size=4, num_blocks=512, speculative_config=spec or None),
                   model=model, tokenizer=tok)
-    prompt = "xyxyxyxyxyxyxyxy"   # prompt lookup would propose continuations of this
-    a, b = run(plain, [prompt], [params])[0], run(spec, [prompt], [params])[0]
-    assert a.outputs[0].text == b.outputs[0].text == "xy" * 6
-    assert spec.spec.stats.num_draft_tokens == 0
+
+
+def test_drafts_for_a_constrained_request_are_verified_against_its_grammar(tiny_parts):
+    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": r"(xy|yx){6}"})
+    prompt = "yxyxyxyxyxyxyxyx"   # prompt lookup proposes continuations the grammar may forbid
+    spec = _spec_engine(tiny_parts, method="prompt_lookup", adaptive=False)
+    a, b = run(_spec_engine(tiny_parts), [prompt], [params])[0], run(spec, [prompt], [params])[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert re.fullmatch(r"(xy|yx){6}", b.outputs[0].text)
+    assert spec.spec.stats.num_draft_tokens > 0
+
+
+SHORT = {"type": "object", "additionalProperties": False, "required": ["name", "city", "ok"],
+         "properties": {"name": {"type": "string", "maxLength": 4}, "city": PERSON["properties"]["city"],
+                        "ok": {"type": "boolean"}}}
+
+# "~" has no merges in the tiny vocabulary: each forced "~" is the one token the grammar allows
+FORCED = r"(xy|yx){2}~~~~~~~~(ab|ba)~~~~~~~~"
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_jump_forward_output_is_plain_constrained_output(tiny_parts, adaptive):
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_outputs={"regex": FORCED}),
+              SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": SHORT}),
+              SamplingParams(max_tokens=12, temperature=0)]          # unconstrained: never drafted for
+    prompts = ["hello", "a person:", "one two"]
+    plain = run(_spec_engine(tiny_parts), prompts, params)
+    jump = _spec_engine(tiny_parts, method="grammar", adaptive=adaptive)
+    forced = run(jump, prompts, params)
+    for a, b in zip(plain, forced):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    stats = jump.spec.stats
+    assert stats.num_accepted_tokens >= 8 and stats.num_drafts < stats.num_accepted_tokens
+    assert re.fullmatch(FORCED, forced[0].outputs[0].text)
+    assert forced[1].outputs[0].finish_reason == "stop", forced[1].outputs[0].text
+    jsonschema.validate(json.loads(forced[1].outputs[0].text), SHORT)
+
+
+def test_jump_forward_with_sampling_keeps_to_the_grammar(tiny_parts):
+    engine = _spec_engine(tiny_parts, method="grammar", adaptive=False)
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs={"regex": FORCED})
+              for s in range(4)]
+    for out in run(engine, ["a", "b", "c", "d"], params):
+        assert re.fullmatch(FORCED, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+    assert engine.spec.stats.num_accepted_tokens >= 4 * 8
+
+
+def test_tree_masks_follow_each_path_and_leave_the_matcher_where_it_was(make_tiny):
+    engine = make_tiny()
+    tok, so = engine.tokenizer, engine.structured
+    a, b, x = (tok.encode(c, add_special_tokens=False)[0] for c in "abx")
+    matcher = so.matcher(StructuredOutputsParams(regex="ab"))
+    stop = sorted(tok.stop_token_ids)[0]
+    # nodes: a (ok), b after a (ok), stop after a-b (completes), x after a (forbidden), b at the root (forbidden)
+    tokens, parents = (a, b, stop, x, b), (-1, 0, 1, 0, -1)
+    mask = so.backend.allocate_mask(len(tokens) + 1)
+    matcher.fill_tree_masks(tokens, parents, mask)
+    logits = torch.zeros(len(tokens) + 1, engine.model.cfg.vocab_size)
+    so.backend.apply_mask(logits, mask)
+    allowed = [set(torch.nonzero(~torch.isneginf(row)).flatten().tolist()) for row in logits]
+    assert a in allowed[0] and b not in allowed[0]       # here: "a" starts "ab"
+    assert b in allowed[1] and a not in allowed[1]       # after a
+    assert allowed[2] <= set(tok.stop_token_ids)         # after a, b: only the end
+    assert allowed[3] == allowed[2]                      # after the stop token: its parent's row
+    assert allowed[4] == allowed[1] and allowed[5] == allowed[0]   # forbidden nodes: their parent's row
+    assert matcher.accept(a) and not matcher.accept(x)   # the position did not move
 
 
 # -- a real model: JSON that validates ---------------------------------------------------------------

@@ -87,7 +87,7 @@ class Engine:
         if spec is None:
             return None
         return SpecDecoder(spec, DraftEnv(self.model, self.config.load.linear_mode, num_blocks,
-                                          self.config.cache.block_size))
+                                          self.config.cache.block_size, self.tokenizer))
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

@@ -13,7 +13,6 @@ from loom.sampling_params import StructuredOutputsParams
 from loom.structured.base import GrammarBackend, GrammarMatcher, VocabInfo, register
 
 
-
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, matcher):
         self._m = matcher
@@ -32,6 +31,9 @@ class XGrammarMatcher(GrammarMatcher):
 
     def fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._m.fork())
+
+    def jump_forward(self) -> str:
+        return "" if self._m.is_terminated() else self._m.find_jump_forward_string()
 
 
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: ": the compiler's words follow

@@ -1,6 +1,7 @@
 """Drafters, one module each, registered by name in `DRAFTERS` (see base.py)."""
 
-from loom.speculative.drafters import auto, draft_model, lookahead, prompt_lookup, token_recycling  # noqa: F401 (register)
+from loom.speculative.drafters import (auto, draft_model, grammar, lookahead, prompt_lookup,  # noqa: F401 (register)
+                                       token_recycling)
 from loom.speculative.drafters.base import DRAFTERS, DraftEnv, Drafter, DraftRequest, Observation, register
 
 __all__ = ["DRAFTERS", "DraftEnv", "DraftRequest", "Drafter", "Observation", "register"]

@@ -31,6 +31,7 @@ class DraftEnv:
     linear_mode: str        # linear backend the target was loaded with
     num_blocks: int
     block_size: int
+    tokenizer: Any = None   # the target's tokenizer (the grammar drafter spells forced text with it)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class DraftRequest:
     req_id: str
     token_ids: list[int]    # committed tokens: prompt + output
     budget: int             # most nodes the tree may have (>= 1)
+    grammar: Any = None     # its GrammarMatcher (structured output), to read, never to advance
 
 
 @dataclass(frozen=True)
