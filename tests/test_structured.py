@@ -192,6 +192,27 @@ def test_json_schema_outputs_validate_on_smollm2():
     assert isinstance(json.loads(outs[2].outputs[0].text), dict)
 
 
+FORECAST = {"type": "object", "additionalProperties": False, "required": ["location", "unit", "days"],
+           "properties": {"location": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_jump_forward_gives_the_plain_output_on_real_models(real_models, name):
+    prompts = ["The weather request for Paris as JSON:", "Forecast query in JSON for Tokyo, 3 days:"]
+    params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": FORECAST})] * 2
+    plain = run(real_models.engine(name, num_blocks=64), prompts, params)
+    engine = real_models.engine(name, num_blocks=64, speculative_config={"method": "grammar", "adaptive": False})
+    jump = run(engine, prompts, params)
+    for a, b in zip(plain, jump):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(b.outputs[0].text), FORECAST)
+    # the keys, `": "`, the enum tails and the closing brace are forced: most of them come as drafts
+    assert engine.spec.stats.num_accepted_tokens >= 10
+
+
 # -- the OpenAI API ------------------------------------------------------------------------------------
 
 
