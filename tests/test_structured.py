@@ -19,6 +19,7 @@ from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.sampling_params import StructuredOutputsParams
+from loom.server.tools import CallStream, scan_calls
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -288,6 +289,54 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"type": "string", "maxLength": 20}}}}}
 ASK = [{"role": "user", "content": "What is the weather and the time in Paris and in Rome?"}]
+
+
+def test_call_stream_sends_each_name_once_then_argument_fragments_that_join_to_the_arguments():
+    calls = [{"name": "get_weather", "arguments": {"city": "Pa}ris \\\"x\\\"", "days": [1, {"a": {}}]}},
+             {"name": "get_time", "arguments": {}}]
+    text = json.dumps({"tool_calls": calls})
+    stream, deltas = CallStream(), []
+    for end in range(len(text) + 1):      # one character at a time, as a token might add
+        deltas += stream.deltas(text[:end])
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in heads] == \
+        [(0, "get_weather", ""), (1, "get_time", "")]
+    assert len({d["id"] for d in heads}) == 2 and all(d["id"].startswith("call_") for d in heads)
+    for i, call in enumerate(calls):
+        joined = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d)
+        assert json.loads(joined) == call["arguments"]
+    assert deltas.index(heads[1]) > max(i for i, d in enumerate(deltas) if d["index"] == 0)   # in order
+    assert scan_calls('{"tool_calls": [{"name": "get_w') == [[None, None, None]]   # no name yet, no delta
+
+
+UNIT = {"type": "function", "function": {
+    "name": "set_unit", "parameters": {"type": "object", "additionalProperties": False, "required": ["unit"],
+                                       "properties": {"unit": {"enum": ["celsius", "fahrenheit", "kelvin"]}}}}}
+
+
+def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny) -> None:
+    from fastapi.testclient import TestClient
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.server.openai_api import build_app
+
+    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny")) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT],
+                   tool_choice="required", parallel_tool_calls=False, max_completion_tokens=200, temperature=0)
+        whole = client.chat.completions.create(**ask).choices[0]
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        raw = http.post("/v1/chat/completions", json={**ask, "stream": True}).text
+    deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
+    finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert whole.finish_reason == "tool_calls" and finish == ["tool_calls"], whole
+    assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name == "set_unit" and deltas[0].function.arguments == ""
+    assert len(deltas) > 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
+    args = "".join(d.function.arguments for d in deltas)
+    assert json.loads(args) == json.loads(whole.message.tool_calls[0].function.arguments)
+    first = json.loads(next(line[6:] for line in raw.splitlines() if '"tool_calls"' in line))
+    assert set(first["choices"][0]["delta"]["tool_calls"][0]) == {"index", "id", "type", "function"}
 
 
 @pytest.mark.real_model
