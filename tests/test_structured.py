@@ -50,6 +50,14 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
         engine.add_request("hi", SamplingParams(structured_outputs={"regex": "a(b"}))
     with pytest.raises(InvalidRequestError, match=r"structured_outputs.grammar does not compile"):
         engine.add_request("hi", SamplingParams(structured_outputs={"grammar": "root ::= undefined_rule"}))
+    # what xgrammar would compile loosely (an invalid object could come out as complete) is refused too
+    for loose, word in (({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+                        ({"type": "string", "pattern": "[a-z]+", "minLength": 3}, "minLength"),
+                        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf")):
+        with pytest.raises(InvalidRequestError, match=f"structured_outputs.json does not compile: not enforceable "
+                                                      f"exactly: .*{word}"):
+            engine.add_request("hi", SamplingParams(structured_outputs={"json": loose}))
+    engine.structured.compile(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}]}))
     with pytest.raises(InvalidRequestError, match="ignore_eos or min_tokens"):
         SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
     assert not engine.has_unfinished_requests()
