@@ -289,7 +289,8 @@ def main() -> None:
         print(out[-1], raw[name], flush=True)
     print("\n".join(out), flush=True)
     mixed = [s for group in zip(*compiled.values()) for s in group]
-    rows = ["| concurrent | tokens | unconstrained ms | constrained ms | overhead | jump-forward ms | vs unconstrained |",
+    rows = ["| concurrent | tokens | unconstrained ms | constrained ms | overhead | jump-forward ms "
+            "| vs unconstrained |",
             "|---:|---:|---:|---:|---:|---:|---:|"]
     singles = [tpot_runs(llm, jump, [s], args.tpot_tokens) for s in mixed[:args.tpot]]
     batch = tpot_runs(llm, jump, mixed[:args.concurrency], args.tpot_tokens)

@@ -246,7 +246,8 @@ def serve(
     seed: int = typer.Option(0, help="Seed of unseeded sampling."),
     speculative_config: str | None = typer.Option(
         None, "--speculative-config", help='Speculative decoding as JSON, e.g. \'{"method": "auto"}\' '
-                                           '(methods: prompt_lookup, token_recycling, lookahead, draft_model, auto, grammar).'),
+                                           '(methods: prompt_lookup, token_recycling, lookahead, draft_model, auto, '
+                                           'grammar).'),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
