@@ -335,6 +335,15 @@ def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny)
         whole = client.chat.completions.create(**ask).choices[0]
         chunks = list(client.chat.completions.create(**ask, stream=True))
         raw = http.post("/v1/chat/completions", json={**ask, "stream": True}).text
+        call = whole.message.tool_calls[0]
+        history = ask["messages"] + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}]
+        back = client.chat.completions.create(**{**ask, "messages": history, "tool_choice": "none",
+                                                 "max_completion_tokens": 4})
+        prompt = http.post("/tokenize", json={"model": "tiny", "messages": history}).json()["tokens"]
+    assert back.choices[0].finish_reason in ("stop", "length") and back.choices[0].message.tool_calls is None
+    assert '{"ok": true}' in make_tiny().tokenizer.decode(prompt)        # the tool's result reaches the model
     deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
     finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
     assert whole.finish_reason == "tool_calls" and finish == ["tool_calls"], whole
