@@ -256,7 +256,9 @@ def main() -> None:
     ap.add_argument("--generate", type=int, default=6, help="schemas per set to generate under (0: compile only)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--peer-generate", type=int, default=3, help="of those, schemas per set for llama.cpp")
-    ap.add_argument("--tpot", type=int, default=4, help="requests, one at a time, for TPOT at concurrency 1")
+    ap.add_argument("--schemas", type=int, default=0, help="the first N schemas of each set only (0: all)")
+    ap.add_argument("--tpot", type=int, default=4, help="requests, one at a time, for TPOT at concurrency 1 "
+                                                         "(0: no TPOT runs)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--tpot-tokens", type=int, default=128)
     ap.add_argument("--no-peers", action="store_true", help="leave out llguidance and llama.cpp")
@@ -264,8 +266,8 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, max_num_seqs=max(args.concurrency, 8), num_blocks=2048)
     jump = LLM(args.model, max_num_seqs=max(args.concurrency, 8), num_blocks=2048,
-               speculative_config={"method": "grammar", "adaptive": False})
-    sets = {name: load(name) for name in SETS}
+               speculative_config={"method": "grammar", "adaptive": False}) if args.tpot else None
+    sets = {name: load(name)[:args.schemas or None] for name in SETS}
     raw: dict = {"model": args.model}
     lines, compiled = compile_table(llm, sets, not args.no_peers)
     print("\n".join(lines), flush=True)
@@ -288,6 +290,13 @@ def main() -> None:
                 peer_tpot[k].append(p[k])
         print(out[-1], raw[name], flush=True)
     print("\n".join(out), flush=True)
+    if args.tpot:
+        tpot_table(llm, jump, compiled, args, peer_tpot, raw)
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1, default=str))
+
+
+def tpot_table(llm: LLM, jump: LLM, compiled: dict[str, list[dict]], args, peer_tpot: dict, raw: dict) -> None:
     mixed = [s for group in zip(*compiled.values()) for s in group]
     rows = ["| concurrent | tokens | unconstrained ms | constrained ms | overhead | jump-forward ms "
             "| vs unconstrained |",
@@ -307,8 +316,6 @@ def main() -> None:
     print("\n".join(rows), flush=True)
     raw["jump_stats"] = vars(jump.engine.spec.stats)
     print(raw["jump_stats"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=1, default=str))
 
 
 if __name__ == "__main__":
