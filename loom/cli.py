@@ -88,7 +88,7 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
 
 
 SPEC_CONFIG_HELP = ('Speculative decoding as JSON, e.g. \'{"method": "auto"}\' (methods: prompt_lookup, '
-                    'token_recycling, lookahead, draft_model, retrieval, auto).')
+                    'token_recycling, lookahead, draft_model, retrieval, auto, grammar).')
 SPEC_DATASTORE_HELP = ("A corpus the retrieval drafter copies from: a text file or a directory of them (.jsonl: each "
                        "line's \"text\"); alone it turns on method retrieval, with --speculative-config it adds "
                        "the corpus to that method.")

@@ -98,7 +98,8 @@ class SchedulerConfig:
 # dict, as in vLLM: LLM(model, speculative_config={"method": "prompt_lookup"}) or
 # loom serve --speculative-config '{"method": "auto"}'. Unknown keys and bad values raise
 # InvalidRequestError naming them.
-SPECULATIVE_METHODS = ("prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto")
+SPECULATIVE_METHODS = ("prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto",
+                      "grammar")
 
 
 @dataclass(frozen=True)

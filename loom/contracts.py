@@ -142,7 +142,9 @@ class SpecHost:
     read-only view of a request's state (`params`, `generator`, `prompt_token_ids`,
     `output_token_ids`); `commit` appends accepted tokens to its output; `move_kv` copies
     KV entries between cache slots (accepted draft nodes into place); `generator` draws for
-    requests without a seed of their own.
+    requests without a seed of their own; `constrain` masks a constrained request's draft
+    verification rows by its grammar along the tree, in place, and returns which rows admit
+    no token (None: the request has no grammar).
     """
 
     sample: Callable[[Any, list[str]], RunnerOutput]
@@ -151,3 +153,4 @@ class SpecHost:
     commit: Callable[[str, list[int]], None]
     move_kv: Callable[[Any, Any], None]
     generator: Any
+    constrain: Callable[[str, DraftTree, Any], "list[bool] | None"] = lambda req_id, tree, logits: None

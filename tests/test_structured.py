@@ -11,6 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from loom_server import LoomServer
 
 from loom import LLM, SamplingParams
@@ -18,6 +19,7 @@ from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.sampling_params import StructuredOutputsParams
+from loom.server.tools import CallStream, scan_calls
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -48,6 +50,14 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
         engine.add_request("hi", SamplingParams(structured_outputs={"regex": "a(b"}))
     with pytest.raises(InvalidRequestError, match=r"structured_outputs.grammar does not compile"):
         engine.add_request("hi", SamplingParams(structured_outputs={"grammar": "root ::= undefined_rule"}))
+    # what xgrammar would compile loosely (an invalid object could come out as complete) is refused too
+    for loose, word in (({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+                        ({"type": "string", "pattern": "[a-z]+", "minLength": 3}, "minLength"),
+                        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf")):
+        with pytest.raises(InvalidRequestError, match=f"structured_outputs.json does not compile: not enforceable "
+                                                      f"exactly: .*{word}"):
+            engine.add_request("hi", SamplingParams(structured_outputs={"json": loose}))
+    engine.structured.compile(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}]}))
     with pytest.raises(InvalidRequestError, match="ignore_eos or min_tokens"):
         SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
     assert not engine.has_unfinished_requests()
@@ -100,17 +110,77 @@ def test_preemption_with_recompute_keeps_the_grammar_state(make_tiny):
         assert re.fullmatch(r"(ab|ba){10}", a.outputs[0].text)
 
 
-def test_speculative_decoding_never_drafts_for_a_constrained_request(tiny_llama_path, tiny_parts):
-    _, model, tok = tiny_parts
-    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": r"(xy){6}"})
-    plain = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4), model=model, tokenizer=tok)
-    spec = Engine(EngineConfig.create(str(tiny_llama_path), block_size=4,
-                                      speculative_config={"method": "prompt_lookup", "adaptive": False}),
+def _spec_engine(tiny_parts, **spec):
+    path, model, tok = tiny_parts
+    return Engine(EngineConfig.create(str(path), block_size=4, num_blocks=512, speculative_config=spec or None),
                   model=model, tokenizer=tok)
-    prompt = "xyxyxyxyxyxyxyxy"   # prompt lookup would propose continuations of this
-    a, b = run(plain, [prompt], [params])[0], run(spec, [prompt], [params])[0]
-    assert a.outputs[0].text == b.outputs[0].text == "xy" * 6
-    assert spec.spec.stats.num_draft_tokens == 0
+
+
+def test_drafts_for_a_constrained_request_are_verified_against_its_grammar(tiny_parts):
+    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs={"regex": r"(xy|yx){6}"})
+    prompt = "yxyxyxyxyxyxyxyx"   # prompt lookup proposes continuations the grammar may forbid
+    spec = _spec_engine(tiny_parts, method="prompt_lookup", adaptive=False)
+    a, b = run(_spec_engine(tiny_parts), [prompt], [params])[0], run(spec, [prompt], [params])[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert re.fullmatch(r"(xy|yx){6}", b.outputs[0].text)
+    assert spec.spec.stats.num_draft_tokens > 0
+
+
+SHORT = {"type": "object", "additionalProperties": False, "required": ["name", "city", "ok"],
+         "properties": {"name": {"type": "string", "maxLength": 4}, "city": PERSON["properties"]["city"],
+                        "ok": {"type": "boolean"}}}
+
+# "~" has no merges in the tiny vocabulary: each forced "~" is the one token the grammar allows
+FORCED = r"(xy|yx){2}~~~~~~~~(ab|ba)~~~~~~~~"
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_jump_forward_output_is_plain_constrained_output(tiny_parts, adaptive):
+    params = [SamplingParams(max_tokens=40, temperature=0, structured_outputs={"regex": FORCED}),
+              SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": SHORT}),
+              SamplingParams(max_tokens=12, temperature=0)]          # unconstrained: never drafted for
+    prompts = ["hello", "a person:", "one two"]
+    plain = run(_spec_engine(tiny_parts), prompts, params)
+    jump = _spec_engine(tiny_parts, method="grammar", adaptive=adaptive)
+    forced = run(jump, prompts, params)
+    for a, b in zip(plain, forced):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+    stats = jump.spec.stats
+    assert stats.num_accepted_tokens >= 8 and stats.num_drafts < stats.num_accepted_tokens
+    assert re.fullmatch(FORCED, forced[0].outputs[0].text)
+    assert forced[1].outputs[0].finish_reason == "stop", forced[1].outputs[0].text
+    jsonschema.validate(json.loads(forced[1].outputs[0].text), SHORT)
+
+
+def test_jump_forward_with_sampling_keeps_to_the_grammar(tiny_parts):
+    engine = _spec_engine(tiny_parts, method="grammar", adaptive=False)
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs={"regex": FORCED})
+              for s in range(4)]
+    for out in run(engine, ["a", "b", "c", "d"], params):
+        assert re.fullmatch(FORCED, out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+    assert engine.spec.stats.num_accepted_tokens >= 4 * 8
+
+
+def test_tree_masks_follow_each_path_and_leave_the_matcher_where_it_was(make_tiny):
+    engine = make_tiny()
+    tok, so = engine.tokenizer, engine.structured
+    a, b, x = (tok.encode(c, add_special_tokens=False)[0] for c in "abx")
+    matcher = so.matcher(StructuredOutputsParams(regex="ab"))
+    stop = sorted(tok.stop_token_ids)[0]
+    # nodes: a (ok), b after a (ok), stop after a-b (completes), x after a (forbidden), b at the root (forbidden)
+    tokens, parents = (a, b, stop, x, b), (-1, 0, 1, 0, -1)
+    mask = so.backend.allocate_mask(len(tokens) + 1)
+    matcher.fill_tree_masks(tokens, parents, mask)
+    logits = torch.zeros(len(tokens) + 1, engine.model.cfg.vocab_size)
+    so.backend.apply_mask(logits, mask)
+    allowed = [set(torch.nonzero(~torch.isneginf(row)).flatten().tolist()) for row in logits]
+    assert a in allowed[0] and b not in allowed[0]       # here: "a" starts "ab"
+    assert b in allowed[1] and a not in allowed[1]       # after a
+    assert allowed[2] <= set(tok.stop_token_ids)         # after a, b: only the end
+    assert allowed[3] == allowed[2]                      # after the stop token: its parent's row
+    assert allowed[4] == allowed[1] and allowed[5] == allowed[0]   # forbidden nodes: their parent's row
+    assert matcher.accept(a) and not matcher.accept(x)   # the position did not move
 
 
 # -- a real model: JSON that validates ---------------------------------------------------------------
@@ -129,6 +199,27 @@ def test_json_schema_outputs_validate_on_smollm2():
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
     assert outs[2].outputs[0].finish_reason == "stop"
     assert isinstance(json.loads(outs[2].outputs[0].text), dict)
+
+
+FORECAST = {"type": "object", "additionalProperties": False, "required": ["location", "unit", "days"],
+           "properties": {"location": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_jump_forward_gives_the_plain_output_on_real_models(real_models, name):
+    prompts = ["The weather request for Paris as JSON:", "Forecast query in JSON for Tokyo, 3 days:"]
+    params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs={"json": FORECAST})] * 2
+    plain = run(real_models.engine(name, num_blocks=64), prompts, params)
+    engine = real_models.engine(name, num_blocks=64, speculative_config={"method": "grammar", "adaptive": False})
+    jump = run(engine, prompts, params)
+    for a, b in zip(plain, jump):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(b.outputs[0].text), FORECAST)
+    # the keys, `": "`, the enum tails and the closing brace are forced: most of them come as drafts
+    assert engine.spec.stats.num_accepted_tokens >= 10
 
 
 # -- the OpenAI API ------------------------------------------------------------------------------------
@@ -206,6 +297,63 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"type": "string", "maxLength": 20}}}}}
 ASK = [{"role": "user", "content": "What is the weather and the time in Paris and in Rome?"}]
+
+
+def test_call_stream_sends_each_name_once_then_argument_fragments_that_join_to_the_arguments():
+    calls = [{"name": "get_weather", "arguments": {"city": "Pa}ris \\\"x\\\"", "days": [1, {"a": {}}]}},
+             {"name": "get_time", "arguments": {}}]
+    text = json.dumps({"tool_calls": calls})
+    stream, deltas = CallStream(), []
+    for end in range(len(text) + 1):      # one character at a time, as a token might add
+        deltas += stream.deltas(text[:end])
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in heads] == \
+        [(0, "get_weather", ""), (1, "get_time", "")]
+    assert len({d["id"] for d in heads}) == 2 and all(d["id"].startswith("call_") for d in heads)
+    for i, call in enumerate(calls):
+        joined = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d)
+        assert json.loads(joined) == call["arguments"]
+    assert deltas.index(heads[1]) > max(i for i, d in enumerate(deltas) if d["index"] == 0)   # in order
+    assert scan_calls('{"tool_calls": [{"name": "get_w') == [[None, None, None]]   # no name yet, no delta
+
+
+UNIT = {"type": "function", "function": {
+    "name": "set_unit", "parameters": {"type": "object", "additionalProperties": False, "required": ["unit"],
+                                       "properties": {"unit": {"enum": ["celsius", "fahrenheit", "kelvin"]}}}}}
+
+
+def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny) -> None:
+    from fastapi.testclient import TestClient
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.server.openai_api import build_app
+
+    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny")) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+        ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT],
+                   tool_choice="required", parallel_tool_calls=False, max_completion_tokens=200, temperature=0)
+        whole = client.chat.completions.create(**ask).choices[0]
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        raw = http.post("/v1/chat/completions", json={**ask, "stream": True}).text
+        call = whole.message.tool_calls[0]
+        history = ask["messages"] + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"ok": true}'}]
+        back = client.chat.completions.create(**{**ask, "messages": history, "tool_choice": "none",
+                                                 "max_completion_tokens": 4})
+        prompt = http.post("/tokenize", json={"model": "tiny", "messages": history}).json()["tokens"]
+    assert back.choices[0].finish_reason in ("stop", "length") and back.choices[0].message.tool_calls is None
+    assert '{"ok": true}' in make_tiny().tokenizer.decode(prompt)        # the tool's result reaches the model
+    deltas = [d for ch in chunks for c in ch.choices for d in (c.delta.tool_calls or [])]
+    finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert whole.finish_reason == "tool_calls" and finish == ["tool_calls"], whole
+    assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name == "set_unit" and deltas[0].function.arguments == ""
+    assert len(deltas) > 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
+    args = "".join(d.function.arguments for d in deltas)
+    assert json.loads(args) == json.loads(whole.message.tool_calls[0].function.arguments)
+    first = json.loads(next(line[6:] for line in raw.splitlines() if '"tool_calls"' in line))
+    assert set(first["choices"][0]["delta"]["tool_calls"][0]) == {"index", "id", "type", "function"}
 
 
 @pytest.mark.real_model

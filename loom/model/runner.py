@@ -78,7 +78,7 @@ class ModelRunner:
         self.structured = structured   # compiles constraints into per-request grammar matchers
         self.spec_host = SpecHost(sample=self._sample, probs=self._probs, request=self.states.__getitem__,
                                   commit=self._commit, move_kv=self.kv.move_slots,
-                                  generator=self.sampler.generator)
+                                  generator=self.sampler.generator, constrain=self._constrain_tree)
 
     @staticmethod
     def kv_bytes_per_token(cfg, kv_dtype: torch.dtype | KVFormat = torch.float32) -> int:
@@ -216,6 +216,16 @@ class ModelRunner:
         self.structured.mask_rows(logits, matchers)
         stuck = torch.isneginf(logits[rows]).all(dim=1).tolist()
         return {req_ids[i] for i, s in zip(rows, stuck) if s}
+
+    def _constrain_tree(self, req_id: str, tree: DraftTree, logits: torch.Tensor) -> list[bool] | None:
+        """Masks the verification rows [1 + len(tree), V] of a constrained request's draft by its
+        grammar along each path, in place; returns which rows admit no token (None: no grammar).
+        Such rows are left unmasked (the verifier needs a distribution); the caller ends the
+        request if its accepted path reaches one."""
+        matcher = self.states[req_id].matcher
+        if matcher is None:
+            return None
+        return self.structured.mask_tree(logits, matcher, tree.tokens, tree.parents)
 
     def _commit(self, req_id: str, tokens: list[int]) -> None:
         st = self.states[req_id]

@@ -85,7 +85,8 @@ from loom.server.protocol import (
     VersionResponse,
 )
 from loom.server.sse import DONE, EventStreamResponse, event
-from loom.server.tools import ToolPlan, history_message, template_reads_tools, tool_dicts, with_tool_prompt
+from loom.server.tools import (CallStream, ToolPlan, history_message, template_reads_tools, tool_dicts,
+                               with_tool_prompt)
 
 log = logging.getLogger("loom.server")
 
@@ -215,6 +216,20 @@ def _tool_chunk(index: int, out: RequestOutput, tools: ToolPlan) -> ChatChunkCho
                                                        function=DeltaFunctionCall(**call["function"]))
                                          for i, call in enumerate(calls)])
     return ChatChunkChoice(index=index, delta=delta, finish_reason=finish, stop_reason=c.stop_reason)
+
+
+def _call_chunk(index: int, out: RequestOutput, tools: ToolPlan, stream: CallStream) -> ChatChunkChoice | None:
+    """A streamed choice whose output the grammar forces to be calls: the deltas its new text
+    adds; at its end finish_reason `tool_calls`, or `length` (and the fragments so far) when
+    max_tokens cut the calls short."""
+    c = out.outputs[0]
+    new = [DeltaToolCall(index=d["index"], id=d.get("id"), type=d.get("type"),
+                         function=DeltaFunctionCall(**d["function"])) for d in stream.deltas(c.text)]
+    if not new and not out.finished:
+        return None
+    finish = tools.message(c.text, c.finish_reason)[2] if out.finished else None
+    return ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=new or None), finish_reason=finish,
+                           stop_reason=c.stop_reason if out.finished else None)
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -500,11 +515,19 @@ class OpenAIServing:
                                        usage=usage).model_dump()
             for choice in data["choices"]:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                for call in choice["delta"].get("tool_calls", ()):   # as OpenAI: fields not sent are absent
+                    for k in [k for k, v in call.items() if v is None]:
+                        del call[k]
+                    call["function"] = {k: v for k, v in call["function"].items() if v is not None}
             return data
+
+        calls = [CallStream() for _ in range(group.size)] if tools.streams_calls else None
 
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]
-            if tools.active:   # whether the text is calls is known at its end: one chunk then
+            if calls is not None:   # forced calls: id and name, then the arguments' fragments
+                return _call_chunk(index, out, tools, calls[index])
+            if tools.active:   # auto: whether the text is calls is known at its end: one chunk then
                 return _tool_chunk(index, out, tools) if out.finished else None
             new_ids = c.token_ids[tokens_sent[index]:]
             lp = None

@@ -15,6 +15,9 @@ The calls a model makes are one JSON object, whatever the template:
   calls, anything else is the message's content. "none": the tools are not shown.
 * Assistant messages with `tool_calls` and `tool` messages in the conversation are written back
   in the same JSON form (and the tool's result as the tool message's content).
+* Streaming a forced call (`CallStream`): as OpenAI streams calls, each call's id, type and name
+  come in one delta as soon as its name is complete, then its arguments' text in fragments as
+  the model writes them; the fragments of a call join into its arguments' JSON.
 """
 
 from __future__ import annotations
@@ -121,3 +124,79 @@ class ToolPlan:
             if calls is not None:
                 return None, calls, "tool_calls"
         return text, None, finish
+
+    @property
+    def streams_calls(self) -> bool:
+        """The output is sure to be calls (the grammar forces them): stream them as they come."""
+        return self.active and self.choice != "auto"
+
+
+def scan_calls(text: str) -> list[list]:
+    """The calls in the (partial) text of a `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`
+    object: [name (None until its string closes), start of the arguments' text (None until it
+    begins), its end (None until it closes)] each.
+
+        {"tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "argu
+        -> [["f", 43, 51], ["g", None, None]]       (text[43:51] == '{"a": 1}')
+    """
+    calls: list[list] = []
+    depth, in_str, esc, start, key, value_next = 0, False, False, 0, None, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 3:       # a key or a value of a call's object
+                    if not value_next:
+                        key = json.loads(text[start:i + 1])
+                    elif key == "name":
+                        calls[-1][0], value_next = json.loads(text[start:i + 1]), False
+            continue
+        if depth == 3 and value_next and key == "arguments" and calls[-1][1] is None and not ch.isspace():
+            calls[-1][1] = i
+        if ch == '"':
+            in_str, start = True, i
+        elif ch in "{[":
+            depth += 1
+            if depth == 3:
+                calls.append([None, None, None])
+                key, value_next = None, False
+        elif ch in "}]":
+            depth -= 1
+            if depth == 3 and key == "arguments" and calls[-1][1] is not None and calls[-1][2] is None:
+                calls[-1][2], value_next = i + 1, False
+        elif depth == 3 and ch in ":,":
+            value_next = ch == ":"
+    return calls
+
+
+class CallStream:
+    """One streamed choice's tool-call deltas, from its growing text."""
+
+    def __init__(self):
+        self.ids: list[str] = []
+        self.sent: list[int] = []      # characters of each call's arguments sent
+
+    def deltas(self, text: str) -> list[dict[str, Any]]:
+        """The deltas the text adds since the last call: {"index", "id", "type", "function":
+        {"name", "arguments": ""}} when a call's name is complete, then {"index", "function":
+        {"arguments": fragment}}."""
+        out: list[dict[str, Any]] = []
+        for i, (name, a0, a1) in enumerate(scan_calls(text)):
+            if name is None:
+                break
+            if i == len(self.ids):
+                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.sent.append(0)
+                out.append({"index": i, "id": self.ids[i], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            if a0 is None:
+                continue
+            frag = text[a0 + self.sent[i]:len(text) if a1 is None else a1]
+            if frag:
+                out.append({"index": i, "function": {"arguments": frag}})
+                self.sent[i] += len(frag)
+        return out

@@ -16,9 +16,12 @@ slots base+0, base+2, base+4 but belongs at positions root+1..root+3 = slots bas
     before  [n0]    n1      [n2]    n3      [n4]        accepted: n0, n2, n4
     after   n0      n2      n4      (rolled back by the scheduler's trim)
 
-Requests that use penalties, logprobs, a grammar (structured output), or have not reached
-min_tokens are never drafted for: their next-token rule depends on state the verifier does not
-replay.
+Requests that use penalties, logprobs, or have not reached min_tokens are never drafted for:
+their next-token rule depends on state the verifier does not replay. A request with a grammar
+(structured output) is: its verification rows are masked by the grammar along the tree (row
+i + 1 by the grammar after the path to node i; `SpecHost.constrain`), so the verifier picks
+exactly what plain constrained decoding would; its matcher advances only on the tokens
+committed. The `grammar` drafter proposes the text the grammar forces (jump-forward).
 """
 
 from __future__ import annotations
@@ -53,8 +56,7 @@ class SpecStats:
 
 def eligible(params, num_output: int) -> bool:
     return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and num_output >= params.min_tokens
-            and params.structured_outputs is None)
+            and params.repetition_penalty == 1 and num_output >= params.min_tokens)
 
 
 class SpecDecoder:
@@ -130,6 +132,9 @@ class SpecDecoder:
                 n_verify += 1
                 tree = DraftTree(tuple(s.token_ids[-nd:]), s.draft_parents)
                 verdict = self._verify(host, s.req_id, tree, logits[starts[i]:starts[i + 1]])
+                if verdict is None:
+                    result.dead_ends.append(s.req_id)
+                    continue
                 accepted = len(verdict.accepted_nodes)
                 host.commit(s.req_id, verdict.tokens)
                 result.sampled[s.req_id] = verdict.tokens
@@ -152,10 +157,18 @@ class SpecDecoder:
         self.overheads[part] = seconds if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * seconds
 
     def _verify(self, host: SpecHost, req_id: str, tree: DraftTree, logits: torch.Tensor):
+        """The verdict on `tree` from its rows `logits` (masked by the request's grammar first, if
+        it has one); None when the accepted path reaches a row the grammar admits no token in
+        (the request ends there, as plain constrained decoding would)."""
         st = host.request(req_id)
+        stuck = host.constrain(req_id, tree, logits)
         if st.params.is_greedy:
-            return verify_greedy(tree, argmax_rows(logits).tolist())
-        return verify_sampled(tree, host.probs(logits, req_id), st.generator or host.generator)
+            verdict = verify_greedy(tree, argmax_rows(logits).tolist())
+        else:
+            verdict = verify_sampled(tree, host.probs(logits, req_id), st.generator or host.generator)
+        if stuck is not None and any(stuck[r] for r in [0] + [n + 1 for n in verdict.accepted_nodes]):
+            return None
+        return verdict
 
     @staticmethod
     def _compact(host: SpecHost, slots: torch.Tensor, base: int, nodes: list[int]) -> None:
@@ -189,7 +202,7 @@ class SpecDecoder:
         for rid, k in zip(cands, sizes):
             if k:
                 st = host.request(rid)
-                reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k))
+                reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k, st.matcher))
         if not reqs:
             return {}
         t0 = time.perf_counter()

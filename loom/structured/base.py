@@ -44,6 +44,41 @@ class GrammarMatcher(ABC):
     def fork(self) -> "GrammarMatcher":
         """An independent copy at the same position (n > 1 children, beams)."""
 
+    @abstractmethod
+    def jump_forward(self) -> str:
+        """The longest string that every continuation from here starts with ("" where the
+        grammar leaves a choice): text the model need not choose (jump-forward drafts)."""
+
+    def fill_tree_masks(self, tokens: tuple[int, ...], parents: tuple[int, ...], mask: torch.Tensor) -> None:
+        """Row 0 of `mask`: the allowed tokens here; row i + 1: those after the path root -> node i
+        of a draft tree (`parents` first, as in `DraftTree`). A node the grammar forbids, one below
+        it, and one below a completed grammar get their parent's row: the verifier never takes such
+        a node (its parent's row masks it out) or stops there. The position is unchanged after.
+
+            tokens   a   b   c        parents  -1  0  -1      (c forbidden here)
+            rows     0: here   1: after a   2: after a,b   3: = row 0
+        """
+        self.fill_mask(mask, 0)
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            kids.setdefault(p, []).append(i)
+        filled = [False] * len(tokens)
+
+        def walk(node: int) -> None:
+            for c in kids.get(node, ()):
+                if self.is_terminated() or not self.accept(tokens[c]):
+                    continue
+                if not self.is_terminated():
+                    self.fill_mask(mask, c + 1)
+                    filled[c] = True
+                    walk(c)
+                self.rollback(1)
+
+        walk(-1)
+        for i, p in enumerate(parents):   # parents come first: their rows are final
+            if not filled[i]:
+                mask[i + 1] = mask[p + 1]
+
 
 class GrammarBackend(ABC):
     name: str = ""

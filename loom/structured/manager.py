@@ -69,3 +69,16 @@ class StructuredOutputs:
         sub = logits[rows]
         self.backend.apply_mask(sub, mask)
         logits[rows] = sub
+
+    def mask_tree(self, logits: torch.Tensor, matcher: GrammarMatcher, tokens: tuple[int, ...],
+                  parents: tuple[int, ...]) -> list[bool]:
+        """Masks a draft tree's verification rows `logits` [1 + nodes, V] in place: row 0 by the
+        grammar here, row i + 1 by the grammar after the path to node i. Returns which rows admit
+        no token at all; those are left unmasked (a verifier needs a distribution there)."""
+        mask = self.backend.allocate_mask(len(tokens) + 1)
+        matcher.fill_tree_masks(tokens, parents, mask)
+        stuck = (mask == 0).all(dim=1)
+        if bool(stuck.any()):
+            mask[stuck] = -1     # every bit set: every token allowed
+        self.backend.apply_mask(logits, mask)
+        return stuck.tolist()

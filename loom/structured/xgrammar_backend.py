@@ -4,14 +4,17 @@ compiled to a pushdown automaton whose token masks come from a precomputed per-s
 from __future__ import annotations
 
 import json
+import os
 import re
-from typing import Any
+import sys
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
 from loom.sampling_params import StructuredOutputsParams
 from loom.structured.base import GrammarBackend, GrammarMatcher, VocabInfo, register
-
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -33,9 +36,28 @@ class XGrammarMatcher(GrammarMatcher):
     def fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._m.fork())
 
+    def jump_forward(self) -> str:
+        return "" if self._m.is_terminated() else self._m.find_jump_forward_string()
+
 
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: ": the compiler's words follow
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@contextmanager
+def _native_stderr(sink: list[str]) -> Iterator[None]:
+    """Collects the lines native code writes to file descriptor 2 meanwhile."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            sink.extend(f.read().decode(errors="replace").splitlines())
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
@@ -55,6 +77,21 @@ class XGrammarBackend(GrammarBackend):
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
+        """Refuses what xgrammar would compile loosely (it says so only on stderr: `oneOf` read as
+        `anyOf`, `multipleOf` on numbers, lengths beside a `pattern`, ...): a grammar looser than
+        its schema lets invalid output through, claimed complete."""
+        lines: list[str] = []
+        with _native_stderr(lines):
+            compiled = self._compile(spec)
+        loose = [_SOURCE_PREFIX.sub("", line).removeprefix("Warning: ") for line in lines if "Warning: " in line]
+        other = [line for line in lines if "Warning: " not in line]
+        if other:
+            sys.stderr.write("\n".join(other) + "\n")
+        if loose:
+            raise ValueError(f"not enforceable exactly: {loose[0]}")
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
         c, kind, xgr = self._compiler, spec.kind, self._xgr
         try:
             if kind == "json":

@@ -31,7 +31,7 @@ class DraftEnv:
     linear_mode: str        # linear backend the target was loaded with
     num_blocks: int
     block_size: int
-    tokenizer: Any = None   # the target's tokenizer (encode), for drafters that read text (retrieval)
+    tokenizer: Any = None   # the target's tokenizer: retrieval reads text with it, the grammar drafter spells forced text
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class DraftRequest:
     req_id: str
     token_ids: list[int]    # committed tokens: prompt + output
     budget: int             # most nodes the tree may have (>= 1)
+    grammar: Any = None     # its GrammarMatcher (structured output), to read, never to advance
 
 
 @dataclass(frozen=True)
