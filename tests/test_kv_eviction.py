@@ -13,6 +13,8 @@ from loom.errors import InvalidRequestError
 from loom.eviction_params import KVEvictionParams
 from loom.kv.eviction import SnapKVEviction, StreamingEviction, make_policy
 from loom.kv.manager import KVCacheManager
+from loom.model.kv_cache import KVCacheTensors, kv_keys
+from loom.model.kv_dtypes.int8 import INT8
 from loom.sampling_params import SamplingParams
 
 STREAM = {"policy": "streaming", "budget": 32}
@@ -227,6 +229,21 @@ def test_snapkv_compresses_the_prompt_to_the_budget(make_tiny):
     assert engine.kv.num_free_blocks() == 512
     # a prompt within the budget is left alone
     assert run(engine, list(range(5, 25)), params) == run(make_tiny(), list(range(5, 25)), greedy(12))
+
+
+def test_snapkv_scores_a_quantized_kv_cache_from_its_decoded_keys(make_tiny, tiny_parts):
+    keys = torch.randn(10, 2, 16)
+    cache = KVCacheTensors(tiny_parts[1].cfg, 10, "int8").layers
+    cache[0][0][:] = INT8.encode(keys)
+    got = kv_keys(cache, torch.arange(10), 16)(0)                 # [10, 2, 16] float32
+    assert got.shape == keys.shape and (got - keys).abs().max() <= keys.abs().amax() / 100
+    engine = make_tiny(kv_cache_dtype="int8")
+    kv_lens = []
+    tokens = run(engine, list(range(5, 105)), greedy(12, {"policy": "snapkv", "budget": 32, "window": 8}),
+                 lambda e, rid: kv_lens.append(e.scheduler.requests[rid].kv_len))
+    assert len(tokens) == 12
+    after = kv_lens[kv_lens.index(100) + 1:]
+    assert after == list(range(33, 33 + len(after))) and len(after) >= 9
 
 
 def test_prefix_hits_are_cut_to_what_the_policy_could_hold(make_tiny):

@@ -26,6 +26,7 @@ from loom.model.build import load_model
 from loom.model.kv_cache import KVCacheTensors
 from loom.model.kv_dtypes import FORMATS, format_of, hadamard, kv_format
 from loom.model.runner import score_slices
+from loom.outputs import FinalOutputs
 from loom.sampling_params import SamplingParams
 
 
@@ -48,12 +49,11 @@ def greedy(engine: Engine, prompts: list[list[int]], max_tokens: int = 12, **par
     ids = [engine.add_request({"prompt_token_ids": p},
                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))
            for p in prompts]
-    done = {}
+    done, gather = {}, FinalOutputs()
     steps = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for out in gather.add_all(engine.step()):
+            done[out.request_id] = out
         steps += 1
         assert steps < 5000, "engine made no progress"
     return [[c.token_ids for c in done[i].outputs] for i in ids]

@@ -216,10 +216,10 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
                            meta: AttentionMetadata, scale: float, window: int | None, kern) -> torch.Tensor:
     """Attention on loom's kernels, for a fused [T, (H + 2 Hkv) * D] projection whose q/k are
     already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
-    _observe(meta, qkv.view(qkv.shape[0], -1, k_cache.shape[2])[:, :num_heads], window)
-    rows = meta.kernel_rows()
     H, Hkv = num_heads, k_cache.shape[1]
-    D = qkv.shape[1] // (H + 2 * Hkv)
+    D = qkv.shape[1] // (H + 2 * Hkv)       # the cache's rows may be quantized: not k_cache.shape[2]
+    _observe(meta, qkv.view(qkv.shape[0], -1, D)[:, :num_heads], window)
+    rows = meta.kernel_rows()
     if not rows.rest:   # every token is a row: the kernel reads q straight from the qkv rows
         return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx, H, Hkv, scale, window or 0,
                                 rows.groups, rows.shared, format_of(k_cache, D).kernel_id)
