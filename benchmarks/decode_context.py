@@ -70,13 +70,19 @@ class LlamaStream:
 
     def extend(self, prompt: list[int]) -> None:
         self.llm.eval(prompt[self.llm.n_tokens:] if self.llm.n_tokens <= len(prompt) else prompt[-1:])
-        self.last = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        self.last = self._argmax()
+
+    def _argmax(self) -> int:
+        """The greedy next token from the last evaluated position's logits (llama.cpp keeps
+        `scores` rows only up to n_batch without logits_all, so they are read from the context)."""
+        row = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(self.llm.n_vocab(),))))
 
     def decode(self, n: int) -> float:
         t = time.perf_counter()
         for _ in range(n):
             self.llm.eval([self.last])
-            self.last = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            self.last = self._argmax()
         return (time.perf_counter() - t) / n
 
 
