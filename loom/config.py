@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from loom.errors import InvalidRequestError
+from loom.errors import InvalidRequestError, check_option_keys
 from loom.eviction_params import KVEvictionParams
 
 # dtype choice -> linear backend mode (loom.model.layers.linear). Activations, the residual
@@ -175,13 +175,8 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise InvalidRequestError(f"speculative_config must be a dict, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown speculative_config key(s) {', '.join(map(repr, unknown))} "
-                                      f"(known: {', '.join(sorted(known))})")
-        if "method" not in value:
-            raise InvalidRequestError(f"speculative_config needs a 'method' (one of {', '.join(SPECULATIVE_METHODS)})")
+        check_option_keys("speculative_config", value, sorted(f.name for f in fields(cls)), "method",
+                          SPECULATIVE_METHODS)
         return cls(**value)
 
 

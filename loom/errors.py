@@ -32,3 +32,13 @@ class InvalidRequestError(LoomError, ValueError):
 
 class EngineDeadError(LoomError):
     """The engine (its process or thread) is gone: nothing can be served until it is restarted."""
+
+
+def check_option_keys(name: str, value: dict, known: list[str], required: str, choices) -> None:
+    """InvalidRequestError for an options object `name` (e.g. speculative_config) with keys not
+    in `known`, or without its `required` key (one of `choices`)."""
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise InvalidRequestError(f"unknown {name} key(s) {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+    if required not in value:
+        raise InvalidRequestError(f"{name} needs a '{required}' (one of {', '.join(choices)})")

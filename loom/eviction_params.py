@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from loom.errors import InvalidRequestError
+from loom.errors import InvalidRequestError, check_option_keys
 
 EVICTION_POLICIES = ("streaming", "snapkv", "none")
 SNAPKV_DEFAULT_WINDOW = 32
@@ -85,13 +85,7 @@ class KVEvictionParams:
         if not isinstance(value, dict):
             raise InvalidRequestError(f"kv_eviction must be an object such as "
                                       f"{{\"policy\": \"streaming\", \"budget\": 1024}}, got {value!r}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise InvalidRequestError(f"unknown kv_eviction key(s) {', '.join(map(repr, unknown))} "
-                                      f"(known: {', '.join(known)})")
-        if "policy" not in value:
-            raise InvalidRequestError(f"kv_eviction needs a 'policy' (one of {', '.join(EVICTION_POLICIES)})")
+        check_option_keys("kv_eviction", value, [f.name for f in fields(cls)], "policy", EVICTION_POLICIES)
         return cls(**value)
 
     def as_dict(self) -> dict:

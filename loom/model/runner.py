@@ -330,6 +330,16 @@ def score(model, token_ids) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
+def scoring_sequence(caller: str, model, token_ids, first: int, kv_dtype) -> tuple[torch.Tensor, list, torch.Tensor]:
+    """A sequence to score from position `first`: its ids [T], a private KV cache of `kv_dtype`
+    (the model's by default) with one slot per token, and the slots [T]."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    T = ids.shape[0]
+    if T < 2 or not 0 <= first < T - 1:
+        raise ValueError(f"{caller} needs at least two tokens and 0 <= first < {T - 1}, got {T} tokens, first={first}")
+    return ids, KVCacheTensors(model.cfg, T, kv_dtype or model.dtype).layers, torch.arange(T)
+
+
 @torch.inference_mode()
 def score_slices(model, token_ids, first: int = 0, kv_dtype: torch.dtype | KVFormat | None = None, chunk: int = 512,
                  rows: int = PROMPT_LOGPROB_ROWS) -> Iterator[torch.Tensor]:
@@ -337,12 +347,8 @@ def score_slices(model, token_ids, first: int = 0, kv_dtype: torch.dtype | KVFor
     sequence, `rows` positions at a time, in order. The sequence runs in prefill chunks of
     `chunk` tokens over a private KV cache of `kv_dtype` (the model's by default), as the engine
     runs a prompt; memory stays bounded by one chunk's hidden states and one slice of logits."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    ids, kv, slots = scoring_sequence("score_slices", model, token_ids, first, kv_dtype)
     T = ids.shape[0]
-    if T < 2 or not 0 <= first < T - 1:
-        raise ValueError(f"score_slices needs at least two tokens and 0 <= first < {T - 1}, got {T} tokens, first={first}")
-    kv = KVCacheTensors(model.cfg, T, kv_dtype or model.dtype).layers
-    slots = torch.arange(T)
     for a in range(0, T - 1, chunk):
         b = min(T, a + chunk)
         meta = AttentionMetadata.build(slots[a:b], [b - a], [b], [slots[:b]])

@@ -18,9 +18,10 @@ from typing import Iterator
 import torch
 
 from loom.kv.eviction import EvictionPolicy
-from loom.model.kv_cache import KVCacheTensors, kv_keys
+from loom.model.kv_cache import kv_keys
 from loom.model.kv_dtypes import KVFormat
 from loom.model.layers.attention import AttentionMetadata
+from loom.model.runner import scoring_sequence
 
 
 def _chunks(T: int, policy: EvictionPolicy, prompt_len: int, chunk: int, prefill_chunk: int) -> list[tuple[int, int]]:
@@ -38,12 +39,8 @@ def score_evicted(model, token_ids, first: int, policy: EvictionPolicy, prompt_l
                   prefill_chunk: int = 512, rows: int = 64) -> Iterator[torch.Tensor]:
     """Log-probabilities [r, V] (float32) of the next token at positions first .. T-2, `rows` at
     a time, in order (as `score_slices`), with `policy` cutting the KV list."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    ids, kv, slots = scoring_sequence("score_evicted", model, token_ids, first, kv_dtype)
     T = ids.shape[0]
-    if T < 2 or not 0 <= first < T - 1:
-        raise ValueError(f"score_evicted needs at least two tokens and 0 <= first < {T - 1}, got {T}, first={first}")
-    kv = KVCacheTensors(model.cfg, T, kv_dtype or model.dtype).layers
-    slots = torch.arange(T)
     kept = slots[:0]                                                    # the KV list before the chunk
     observe_end = prompt_len if policy.observes and prompt_len > policy.budget else -1
     for a, b in _chunks(T, policy, prompt_len, chunk, prefill_chunk):
