@@ -86,13 +86,13 @@ class LlamaCppSource:
     needs it; named, f16 takes it too, so the three compare like with like); None: f16 without."""
 
     def __init__(self, model: str, context: int, threads: int | None = None, kv_cache_dtype: str | None = None):
+        if kv_cache_dtype is not None and kv_cache_dtype not in LLAMA_CPP_KV_TYPES:
+            raise InvalidRequestError(f"llama.cpp's KV cache type must be one of {', '.join(LLAMA_CPP_KV_TYPES)}, "
+                                      f"got {kv_cache_dtype!r}")
         try:
             import llama_cpp
         except ImportError:
             raise LoomError("the llama.cpp source needs llama-cpp-python (pip install 'llama-cpp-python==0.3.36')") from None
-        if kv_cache_dtype is not None and kv_cache_dtype not in LLAMA_CPP_KV_TYPES:
-            raise InvalidRequestError(f"llama.cpp's KV cache type must be one of {', '.join(LLAMA_CPP_KV_TYPES)}, "
-                                      f"got {kv_cache_dtype!r}")
         kv = LLAMA_CPP_KV_TYPES[kv_cache_dtype or "f16"]
         self.path = resolve_model(model)
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context, n_batch=min(context, 512),
