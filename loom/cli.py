@@ -311,6 +311,9 @@ def serve(
     max_replicas: int | None = typer.Option(None, "--max-replicas", help="Ray Serve autoscaling: most replicas."),
     target_ongoing_requests: float | None = typer.Option(
         None, "--target-ongoing-requests", help="Ray Serve autoscaling: requests in flight per replica to aim at."),
+    autoscaling_config: str | None = typer.Option(
+        None, "--autoscaling-config", help="Ray Serve autoscaling: further autoscaling_config keys as JSON, e.g. "
+                                           "'{\"upscale_delay_s\": 5}'."),
     router: str = typer.Option("prefix-aware", "--router",
                                help="With --replicas: prefix-aware (longest cached prompt prefix when loads are "
                                     "balanced) or power-of-two (Ray Serve's default)."),
@@ -323,7 +326,7 @@ def serve(
         raise typer.BadParameter(f"expected debug, info, warning or error, got {log_level!r}",
                                  param_hint="--log-level")
     cluster = _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas,
-                               target_ongoing_requests, router)
+                               target_ongoing_requests, router, _json_option(autoscaling_config, "--autoscaling-config"))
     if cluster is not None:
         threads = cluster.threads
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
@@ -345,21 +348,32 @@ def serve(
                access_log=access_log, engine_process=engine_process)
 
 
-def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router):
+def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router,
+                     autoscaling_extra):
     """The ClusterConfig of `loom serve --replicas ...` (checked before Ray starts), or None for one server."""
     from loom.config import physical_cores
 
-    if replicas is None and ray_address is None and (min_replicas, max_replicas, target_ongoing_requests) == \
-            (None, None, None):
+    if replicas is None and ray_address is None and (min_replicas, max_replicas, target_ongoing_requests,
+                                                     autoscaling_extra) == (None, None, None, None):
         return None
     from loom.cluster.config import ClusterConfig
 
     count = replicas if replicas is not None else 1
     threads = threads if threads is not None else max(1, physical_cores() // max(1, count))
     cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
-                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests, router=router)
+                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests, router=router,
+                            autoscaling_extra=_autoscaling_extra(autoscaling_extra))
     cluster.check_before_ray()
     return cluster
+
+
+def _autoscaling_extra(value) -> tuple:
+    """--autoscaling-config's JSON object as ClusterConfig's sorted (key, value) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise typer.BadParameter("expected a JSON object", param_hint="--autoscaling-config")
+    return tuple(sorted(value.items()))
 
 
 def _json_option(text: str | None, flag: str):

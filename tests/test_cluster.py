@@ -263,6 +263,9 @@ def test_cluster_exposition_labels_each_replica():
     ({"router": "random"}, "--router must be one of"),
     ({"replicas": 5, "max_replicas": 3}, "must lie within"),
     ({"min_replicas": 2, "max_replicas": 1}, "--max-replicas must be at least 1 and at least --min-replicas"),
+    ({"autoscaling_extra": (("upscale_delay_s", 1),)}, "--autoscaling-config needs autoscaling on"),
+    ({"max_replicas": 2, "autoscaling_extra": (("upscale_delay", 1),)}, "unknown key 'upscale_delay'"),
+    ({"max_replicas": 2, "autoscaling_extra": (("upscale_delay_s", -1),)}, "upscale_delay_s must be a number >= 0"),
 ])
 def test_cluster_config_refuses_bad_options(kwargs, message):
     with pytest.raises(ClusterConfigError, match=message):
@@ -275,6 +278,11 @@ def test_autoscaling_options_pass_through():
     assert "num_replicas" not in options
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
                                              "target_ongoing_requests": 8}
+    extra = ClusterConfig(replicas=1, max_replicas=2, autoscaling_extra=(("downscale_delay_s", 60),
+                                                                          ("upscale_delay_s", 2)))
+    assert extra.replica_options()["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2,
+                                                             "initial_replicas": 1, "downscale_delay_s": 60,
+                                                             "upscale_delay_s": 2}
     assert ClusterConfig(replicas=3, threads=2).replica_options()["ray_actor_options"] == {"num_cpus": 2}
 
 
@@ -321,13 +329,14 @@ def _loom(*args: str) -> subprocess.CompletedProcess:
     (["--replicas", "1", "--threads", "4096"], "--threads 4096 is more than this machine's"),
     (["--replicas", "4096", "--threads", "1"], "4096 replicas x 1 threads need 4096 cores"),
     (["--replicas", "1", "--ray-address", "127.0.0.1:{port}"], "cannot reach the Ray cluster at 127.0.0.1:"),
+    (["--max-replicas", "2", "--autoscaling-config", '{"warp": 9}'], "--autoscaling-config: unknown key 'warp'"),
 ])
 def test_bad_cluster_options_are_one_line_errors(tiny_llama_path, args, message):
     from typer.testing import CliRunner
 
     from loom.cli import app
 
-    args = [a.format(port=free_port()) for a in args]
+    args = [a.replace("{port}", str(free_port())) for a in args]
     result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), *args])
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()

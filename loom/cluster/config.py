@@ -12,6 +12,10 @@ from loom.errors import LoomError
 ROUTER_NAMES = ("prefix-aware", "power-of-two")
 REACH_TIMEOUT_S = 3.0
 UNBOUNDED_ONGOING = 10_000   # replicas take what Ray sends; the engine's --max-waiting answers 429
+# Ray Serve autoscaling_config keys `--autoscaling-config` may set beside the three options
+# (seconds, or factors), each a number >= 0
+AUTOSCALING_EXTRA_KEYS = ("upscale_delay_s", "downscale_delay_s", "metrics_interval_s", "look_back_period_s",
+                          "upscaling_factor", "downscaling_factor")
 
 
 class ClusterConfigError(LoomError):
@@ -27,6 +31,7 @@ class ClusterConfig:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None
     router: str = "prefix-aware"
+    autoscaling_extra: tuple[tuple[str, float], ...] = ()   # further autoscaling_config keys, checked
     stats_period_s: float = 1.0            # how often replicas report their stats to the routers
 
     def __post_init__(self) -> None:
@@ -46,6 +51,18 @@ class ClusterConfig:
                                      f"--min-replicas {lo or 0} and --max-replicas {self.max_count}")
         if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
             raise ClusterConfigError(f"--target-ongoing-requests must be positive, got {self.target_ongoing_requests}")
+        self._check_autoscaling_extra()
+
+    def _check_autoscaling_extra(self) -> None:
+        if self.autoscaling_extra and not self.autoscaling:
+            raise ClusterConfigError("--autoscaling-config needs autoscaling on: give --min-replicas, "
+                                     "--max-replicas or --target-ongoing-requests")
+        for key, value in self.autoscaling_extra:
+            if key not in AUTOSCALING_EXTRA_KEYS:
+                raise ClusterConfigError(f"--autoscaling-config: unknown key {key!r} (known: "
+                                         f"{', '.join(AUTOSCALING_EXTRA_KEYS)})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ClusterConfigError(f"--autoscaling-config: {key} must be a number >= 0, got {value!r}")
 
     @property
     def autoscaling(self) -> bool:
@@ -77,6 +94,7 @@ class ClusterConfig:
                                     "max_replicas": self.max_count, "initial_replicas": self.replicas}
             if self.target_ongoing_requests is not None:
                 auto["target_ongoing_requests"] = self.target_ongoing_requests
+            auto.update(self.autoscaling_extra)
             options["autoscaling_config"] = auto
         else:
             options["num_replicas"] = self.replicas
