@@ -3,14 +3,15 @@
 The prompt is synthetic (generated here, seeded): repeated filler sentences, the passkey line
 at a fraction `depth` of the way in, and the question at the end; the model answers greedily
 and a trial counts as found when the passkey's digits are in the first 12 generated tokens.
-Each configuration (full KV, StreamingLLM, SnapKV at each budget) runs the same prompts on one
-engine. The prefix cache is on, as a server runs: full KV computes the prompt first; SnapKV,
+Each configuration (full KV, StreamingLLM, SnapKV at each budget, for each KV cache type of
+`--kv-cache-dtypes`) runs the same prompts; the KV types are engines sharing one copy of the model. The prefix cache is on, as a server runs: full KV computes the prompt first; SnapKV,
 whose prefill is full attention too, takes it from the cache except its observation window,
 which it computes for the queries; StreamingLLM takes at most its budget from the cache and
 computes the rest chunk by chunk over its cut context (docs/kv_eviction.md).
 
 Run from the repository root:
-    .venv/bin/python benchmarks/passkey.py --model smollm2-135m --lengths 4096 8000 --budgets 512 1024
+    .venv/bin/python benchmarks/passkey.py --model smollm2-135m --lengths 4096 8000 --budgets 512 1024 \
+        --kv-cache-dtypes float16 int8
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def run(engine: Engine, ids: list[int], eviction: dict | None) -> str:
     return text
 
 
+def engines_for(args) -> dict[str, Engine]:
+    """One engine per KV cache type, all on the first one's model and tokenizer."""
+    engines: dict[str, Engine] = {}
+    for kv in args.kv_cache_dtypes:
+        first = next(iter(engines.values()), None)
+        config = EngineConfig.create(args.model, threads=args.threads, max_model_len=max(args.lengths) + 64,
+                                     kv_cache_dtype=kv)
+        engines[kv] = Engine(config, model=first and first.model, tokenizer=first and first.tokenizer)
+    return engines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -62,21 +74,25 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1, help="keys per (length, depth)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["float16"], help="KV cache types to run each policy with")
     ap.add_argument("--json", default=None, help="write the per-trial results here")
     args = ap.parse_args()
 
-    engine = Engine(EngineConfig.create(args.model, threads=args.threads, max_model_len=max(args.lengths) + 64))
-    tok = engine.tokenizer
-    configs = [("full KV", None)] if "full" in args.policies else []
-    for policy in ("streaming", "snapkv"):
-        if policy in args.policies:
-            configs += [(f"{policy} {b}", {"policy": policy, "budget": b}) for b in args.budgets]
+    engines = engines_for(args)
+    tok = next(iter(engines.values())).tokenizer
+    configs = []
+    for kv, engine in engines.items():
+        tag = f", {kv} KV" if len(engines) > 1 else ""
+        configs += [(f"full KV{tag}", engine, None)] if "full" in args.policies else []
+        for policy in ("streaming", "snapkv"):
+            if policy in args.policies:
+                configs += [(f"{policy} {b}{tag}", engine, {"policy": policy, "budget": b}) for b in args.budgets]
     rng = random.Random(args.seed)
     trials = [(n, d, rng.randint(10000, 99999)) for n in args.lengths for d in args.depths for _ in range(args.trials)]
     rows = []
     for n, depth, key in trials:
         ids = prompt_ids(tok, n, depth, key)
-        for name, eviction in configs:
+        for name, engine, eviction in configs:
             t0 = time.perf_counter()
             text = run(engine, ids, eviction)
             found = str(key) in text.replace(" ", "")
@@ -86,7 +102,7 @@ def main() -> None:
                   f"{text.strip()[:40]!r} ({rows[-1]['seconds']} s)", flush=True)
     print(f"\n| configuration | " + " | ".join(f"{n} tokens" for n in args.lengths) + " |")
     print("|---|" + "---|" * len(args.lengths))
-    for name, _ in configs:
+    for name, _, _ in configs:
         cells = []
         for n in args.lengths:
             hits = [r["found"] for r in rows if r["config"] == name and r["target"] == n]
