@@ -153,6 +153,32 @@ def test_stream_logprobs_match_non_stream(tiny: LoomServer) -> None:
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(tiny: LoomServer) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): every chunk carries its
+    choice's usage so far, and the last chunk the whole request's, on both endpoints."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 5, "n": 2, "ignore_eos": True,
+            "stream": True, "stream_options": options}
+    with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    per_choice = [c for c in chunks if c["choices"]]
+    assert per_choice and all(c["usage"]["prompt_tokens"] == per_choice[0]["usage"]["prompt_tokens"] > 0
+                              for c in per_choice)
+    for index in (0, 1):
+        counts = [c["usage"]["completion_tokens"] for c in per_choice if c["choices"][0]["index"] == index]
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "ignore_eos": True, "stream": True, "stream_options": options}
+    with httpx.stream("POST", f"{tiny.url}/v1/chat/completions", json=chat, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["usage"]][-1] == 3
+    plain = dict(body, stream_options={"continuous_usage_stats": True})   # without include_usage: no usage
+    with httpx.stream("POST", f"{tiny.url}/v1/completions", json=plain, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" not in c for c in chunks)
+
+
 def test_prompt_forms_batches_and_echo(tiny: LoomServer) -> None:
     api = client(tiny)
     batch = api.completions.create(model="tiny-llama", prompt=["one two", "three four"], n=2, max_tokens=3,

@@ -81,6 +81,7 @@ from loom.server.protocol import (
     PromptTokensDetails,
     SamplingFields,
     StatsResponse,
+    StreamOptions,
     UsageInfo,
     VersionResponse,
 )
@@ -127,6 +128,24 @@ def default_served_name(model: str) -> str:
     """The name a model is served under: a registry name as is, a .gguf path by its file stem."""
     path = Path(model)
     return path.stem if path.suffix.lower() == ".gguf" else model
+
+
+FINAL_USAGE, CONTINUOUS_USAGE = "final", "continuous"
+
+
+def _usage_mode(options: StreamOptions | None) -> str | None:
+    """What a stream reports of its usage: nothing (None), one last chunk (`include_usage`), or
+    also each choice's usage so far in every chunk (vLLM's `continuous_usage_stats`, which
+    takes effect with `include_usage`, as in vLLM)."""
+    if options is None or not options.include_usage:
+        return None
+    return CONTINUOUS_USAGE if options.continuous_usage_stats else FINAL_USAGE
+
+
+def _choice_usage(out: RequestOutput) -> UsageInfo:
+    """One choice's usage so far: its prompt and the tokens it has generated."""
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -353,7 +372,7 @@ class OpenAIServing:
         group = fan_out(self.ae, prompts, params, body.n, rid, body.priority, self.metrics.tracker,
                         best_of=body.best_of, fanout=plan.fanout if plan else None)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            include_usage = _usage_mode(body.stream_options)
             events = self._completion_events(group, body, rid, created, echoes, include_usage, score_only)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
@@ -379,14 +398,15 @@ class OpenAIServing:
     def _prompt_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.ae.tokenizer.decode(prompt)
 
-    async def _stream(self, group: ChoiceGroup, n: int, include_usage: bool,
+    async def _stream(self, group: ChoiceGroup, n: int, include_usage: str | None,
                       dump: Callable[[list, UsageInfo | None], dict[str, Any]],
                       choice_of: Callable[[int, RequestOutput], Any],
                       opening: Sequence[list] = ()) -> AsyncIterator[str]:
         """The one SSE loop of both endpoints: `opening` chunks first, then per output of the
         group the chunk choice `choice_of(index, output)` builds (None: nothing to send yet),
-        the usage chunk when asked, and [DONE]; `dump(choices, usage)` is the endpoint's chunk
-        as a dict. An error after the status line is sent goes in-band."""
+        the usage chunk when asked (`include_usage` from `_usage_mode`; "continuous": every
+        choice chunk also carries that choice's usage so far), and [DONE]; `dump(choices, usage)`
+        is the endpoint's chunk as a dict. An error after the status line is sent goes in-band."""
         finals: list[RequestOutput | None] = [None] * group.size
 
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
@@ -403,7 +423,7 @@ class OpenAIServing:
                     finals[index] = out
                 choice = choice_of(index, out)
                 if choice is not None:
-                    yield chunk([choice])
+                    yield chunk([choice], _choice_usage(out) if include_usage == CONTINUOUS_USAGE else None)
             if include_usage:
                 yield chunk([], self.usage(finals, n))
             yield DONE
@@ -416,7 +436,8 @@ class OpenAIServing:
             group.close()
 
     def _completion_events(self, group: ChoiceGroup, body: CompletionRequest, rid: str, created: int,
-                           echoes: list[str] | None, include_usage: bool, score_only: bool) -> AsyncIterator[str]:
+                           echoes: list[str] | None, include_usage: str | None,
+                           score_only: bool) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
         chars_sent = [0] * group.size
         echo_pending = [bool(echoes)] * group.size
@@ -473,7 +494,7 @@ class OpenAIServing:
         group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker,
                         fanout=plan.fanout if plan else None)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            include_usage = _usage_mode(body.stream_options)
             events = self._chat_events(group, body, rid, created, top_k, include_usage, tools)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
@@ -507,7 +528,7 @@ class OpenAIServing:
         return {"prompt_token_ids": ids}
 
     def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
-                     top_k: int | None, include_usage: bool, tools: ToolPlan) -> AsyncIterator[str]:
+                     top_k: int | None, include_usage: str | None, tools: ToolPlan) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
 
         def dump(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> dict[str, Any]:

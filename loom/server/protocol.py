@@ -85,6 +85,8 @@ class ErrorResponse(_Response):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class LoomEarlyStop(_Request):
