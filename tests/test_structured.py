@@ -53,11 +53,19 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
     # what xgrammar would compile loosely (an invalid object could come out as complete) is refused too
     for loose, word in (({"type": "number", "multipleOf": 0.5}, "multipleOf"),
                         ({"type": "string", "pattern": "[a-z]+", "minLength": 3}, "minLength"),
-                        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf")):
+                        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+                        # a required name outside `properties`: xgrammar lets `{}` through or cannot write it
+                        ({"type": "array", "items": {"host": {"type": "string"}, "required": ["host"]}}, "'host'"),
+                        ({"type": "object", "properties": {"a": {"type": "number"}},
+                          "anyOf": [{"required": ["a"]}]}, "'a'"),
+                        ({"type": "object", "required": ["a"], "additionalProperties": True}, "'a'")):
         with pytest.raises(InvalidRequestError, match=f"structured_outputs.json does not compile: not enforceable "
                                                       f"exactly: .*{word}"):
             engine.add_request("hi", SamplingParams(structured_outputs={"json": loose}))
     engine.structured.compile(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}]}))
+    engine.structured.compile(StructuredOutputsParams(json={   # `required` as a property's name, and in data
+        "type": "object", "required": ["required"], "additionalProperties": False,
+        "properties": {"required": {"type": "object", "default": {"required": ["x"]}}}}))
     with pytest.raises(InvalidRequestError, match="ignore_eos or min_tokens"):
         SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
     assert not engine.has_unfinished_requests()
