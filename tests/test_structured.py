@@ -430,7 +430,8 @@ def _auto_pair(client, text: str, **ask) -> tuple[list, list]:
     """The non-streamed and streamed answers of the tiny model under tool_choice auto, its output
     forced to `text` by a regex: (choices, chunk choices)."""
     ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT], temperature=0,
-               max_completion_tokens=200, extra_body={"structured_outputs": {"regex": _literal(text)}}) | ask
+               max_completion_tokens=200, logprobs=True,
+               extra_body={"structured_outputs": {"regex": _literal(text)}}) | ask
     whole = client.chat.completions.create(**ask).choices
     return whole, [c for ch in client.chat.completions.create(**ask, stream=True) for c in ch.choices]
 
@@ -442,6 +443,11 @@ def test_auto_tool_choice_streams_plain_text_as_content_deltas(tiny_client) -> N
     assert whole[0].message.content == text and whole[0].finish_reason == "stop"
     assert len(pieces) > 1 and "".join(pieces) == text
     assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "stop"
+    assert _streamed_tokens(chunks) == [t.token for t in whole[0].logprobs.content]   # logprobs ride along
+
+
+def _streamed_tokens(chunks: list) -> list[str]:
+    return [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
 
 
 def test_auto_tool_choice_streams_calls_as_deltas_for_each_of_n_choices(tiny_client) -> None:
@@ -478,6 +484,7 @@ def test_auto_tool_choice_text_that_opens_calls_but_is_not_calls_streams_as_cont
     assert whole[0].message.tool_calls is None and whole[0].finish_reason == finish
     assert content == whole[0].message.content and text.startswith(content)
     assert [c.finish_reason for c in chunks if c.finish_reason] == [finish]
+    assert _streamed_tokens(chunks) == [t.token for t in whole[0].logprobs.content]
 
 
 @pytest.mark.real_model
