@@ -19,7 +19,7 @@ from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.sampling_params import StructuredOutputsParams
-from loom.server.tools import CallStream, scan_calls
+from loom.server.tools import AutoStream, CallStream, ToolPlan, call_opening, scan_calls
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -53,11 +53,19 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
     # what xgrammar would compile loosely (an invalid object could come out as complete) is refused too
     for loose, word in (({"type": "number", "multipleOf": 0.5}, "multipleOf"),
                         ({"type": "string", "pattern": "[a-z]+", "minLength": 3}, "minLength"),
-                        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf")):
+                        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+                        # a required name outside `properties`: xgrammar lets `{}` through or cannot write it
+                        ({"type": "array", "items": {"host": {"type": "string"}, "required": ["host"]}}, "'host'"),
+                        ({"type": "object", "properties": {"a": {"type": "number"}},
+                          "anyOf": [{"required": ["a"]}]}, "'a'"),
+                        ({"type": "object", "required": ["a"], "additionalProperties": True}, "'a'")):
         with pytest.raises(InvalidRequestError, match=f"structured_outputs.json does not compile: not enforceable "
                                                       f"exactly: .*{word}"):
             engine.add_request("hi", SamplingParams(structured_outputs={"json": loose}))
     engine.structured.compile(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}]}))
+    engine.structured.compile(StructuredOutputsParams(json={   # `required` as a property's name, and in data
+        "type": "object", "required": ["required"], "additionalProperties": False,
+        "properties": {"required": {"type": "object", "default": {"required": ["x"]}}}}))
     with pytest.raises(InvalidRequestError, match="ignore_eos or min_tokens"):
         SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
     assert not engine.has_unfinished_requests()
@@ -354,6 +362,129 @@ def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny)
     assert json.loads(args) == json.loads(whole.message.tool_calls[0].function.arguments)
     first = json.loads(next(line[6:] for line in raw.splitlines() if '"tool_calls"' in line))
     assert set(first["choices"][0]["delta"]["tool_calls"][0]) == {"index", "id", "type", "function"}
+
+
+def _auto_steps(text: str, finish: str) -> tuple[list[str], list[dict], str | None]:
+    """AutoStream over `text` growing one character at a time: (content pieces, call deltas, finish)."""
+    stream, pieces, deltas, last = AutoStream(ToolPlan([WEATHER, TIME], "auto", None, True)), [], [], None
+    for end in range(len(text) + 1):
+        content, new, last = stream.step(text[:end], finish if end == len(text) else None)
+        pieces += [content] if content else []
+        deltas += new
+    return pieces, deltas, last
+
+
+CALLS = json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa}ris", "unit": "celsius"}},
+                                   {"name": "get_time", "arguments": {"city": "Rome"}}]})
+
+
+@pytest.mark.parametrize("text, finish, calls_sent", [
+    ("Sure: " + CALLS, "stop", False),                     # text first: content from its first character
+    ('{"tools": 1}', "stop", False),                        # another key: content once `{"tools"` is seen
+    (CALLS.replace("get_time", "get_date"), "stop", True),  # an unknown tool: content from its name on
+    (CALLS + " done", "stop", True),                        # text after the object: content at the end
+    (CALLS[:60], "length", True),                           # max_tokens cut the calls short
+    (CALLS.replace('{"city": "Rome"}', '"Rome"'), "stop", True),   # arguments that are no object
+    ("  \n ", "stop", False),                               # only whitespace, held to the end
+])
+def test_auto_stream_gives_the_non_streamed_content_when_the_text_is_not_calls(text, finish, calls_sent):
+    plan = ToolPlan([WEATHER, TIME], "auto", None, True)
+    pieces, deltas, last = _auto_steps(text, finish)
+    assert plan.message(text, finish) == (text, None, finish)
+    assert "".join(pieces) == text and last == finish
+    assert bool(deltas) == calls_sent
+    if not calls_sent and text.strip():
+        assert len(pieces) > 1        # streamed, not held to the end
+
+
+def test_auto_stream_holds_back_only_what_may_open_the_calls_then_streams_them():
+    pieces, deltas, last = _auto_steps(" \n" + CALLS, "stop")
+    content, calls, finish = ToolPlan([WEATHER, TIME], "auto", None, True).message(" \n" + CALLS, "stop")
+    assert pieces == [] and last == finish == "tool_calls" and content is None
+    heads = [d for d in deltas if "id" in d]
+    assert [d["function"]["name"] for d in heads] == [c["function"]["name"] for c in calls]
+    for i, call in enumerate(calls):
+        joined = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
+        assert json.loads(joined) == json.loads(call["function"]["arguments"])
+    assert [call_opening(t) for t in ("", " {", '{"tool_calls"', '{ "tool_calls" :[{', 'x{', '{"tool_calls": {')] \
+        == [0, 0, 0, 17, None, None]
+
+
+@pytest.fixture
+def tiny_client(make_tiny):
+    from fastapi.testclient import TestClient
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.server.openai_api import build_app
+
+    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny")) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly `text` (xgrammar's regex takes no escaped space, as re.escape writes)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text)
+
+
+def _auto_pair(client, text: str, **ask) -> tuple[list, list]:
+    """The non-streamed and streamed answers of the tiny model under tool_choice auto, its output
+    forced to `text` by a regex: (choices, chunk choices)."""
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT], temperature=0,
+               max_completion_tokens=200, logprobs=True,
+               extra_body={"structured_outputs": {"regex": _literal(text)}}) | ask
+    whole = client.chat.completions.create(**ask).choices
+    return whole, [c for ch in client.chat.completions.create(**ask, stream=True) for c in ch.choices]
+
+
+def test_auto_tool_choice_streams_plain_text_as_content_deltas(tiny_client) -> None:
+    text = "Kelvin, said the model, is the unit."
+    whole, chunks = _auto_pair(tiny_client, text)
+    pieces = [c.delta.content for c in chunks if c.delta.content]
+    assert whole[0].message.content == text and whole[0].finish_reason == "stop"
+    assert len(pieces) > 1 and "".join(pieces) == text
+    assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == "stop"
+    assert _streamed_tokens(chunks) == [t.token for t in whole[0].logprobs.content]   # logprobs ride along
+
+
+def _streamed_tokens(chunks: list) -> list[str]:
+    return [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
+
+
+def test_auto_tool_choice_streams_calls_as_deltas_for_each_of_n_choices(tiny_client) -> None:
+    text = json.dumps({"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}}]})
+    whole, chunks = _auto_pair(tiny_client, text, n=2)
+    for i in range(2):
+        mine = [c for c in chunks if c.index == i]
+        deltas = [d for c in mine for d in (c.delta.tool_calls or [])]
+        assert whole[i].finish_reason == "tool_calls" and whole[i].message.content is None
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["tool_calls"]
+        assert not any(c.delta.content for c in mine)
+        assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+        assert deltas[0].function.name == whole[i].message.tool_calls[0].function.name == "set_unit"
+        assert len(deltas) > 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
+        args = "".join(d.function.arguments for d in deltas)
+        assert json.loads(args) == json.loads(whole[i].message.tool_calls[0].function.arguments)
+
+
+@pytest.mark.parametrize("text, max_tokens, finish, calls_sent", [
+    ('{"tool_calls": [{"name": "set_units", "arguments": {"unit": "kelvin"}}]}', 200, "stop", False),   # unknown
+    ('{"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}}]} done', 200, "stop", True),
+    ('{"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}}]}', -4, "length", True),  # 4 short
+])
+def test_auto_tool_choice_text_that_opens_calls_but_is_not_calls_streams_as_content(
+        tiny_client, text, max_tokens, finish, calls_sent) -> None:
+    if max_tokens < 0:   # cut inside the arguments: the whole output's length, less a few tokens
+        full = tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "units?"}],
+                                                   tools=[UNIT], temperature=0, max_completion_tokens=200,
+                                                   extra_body={"structured_outputs": {"regex": _literal(text)}})
+        max_tokens += full.usage.completion_tokens
+    whole, chunks = _auto_pair(tiny_client, text, max_completion_tokens=max_tokens)
+    content = "".join(c.delta.content or "" for c in chunks)
+    assert any(c.delta.tool_calls for c in chunks) == calls_sent     # sent before the end showed: void
+    assert whole[0].message.tool_calls is None and whole[0].finish_reason == finish
+    assert content == whole[0].message.content and text.startswith(content)
+    assert [c.finish_reason for c in chunks if c.finish_reason] == [finish]
+    assert _streamed_tokens(chunks) == [t.token for t in whole[0].logprobs.content]
 
 
 @pytest.mark.real_model

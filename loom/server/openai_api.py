@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import loom
 from loom.engine.async_engine import AsyncEngine
 from loom.errors import EngineDeadError, LoomError, TokenizerError
-from loom.outputs import RequestOutput
+from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
 from loom.server.engine_client import EngineClient, InProcessEngineClient
@@ -63,6 +63,7 @@ from loom.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
@@ -86,8 +87,8 @@ from loom.server.protocol import (
     VersionResponse,
 )
 from loom.server.sse import DONE, EventStreamResponse, event
-from loom.server.tools import (CallStream, ToolPlan, history_message, template_reads_tools, tool_dicts,
-                               with_tool_prompt)
+from loom.server.tools import (AutoStream, CallStream, ToolPlan, history_message, template_reads_tools,
+                               tool_dicts, with_tool_prompt)
 
 log = logging.getLogger("loom.server")
 
@@ -224,17 +225,9 @@ def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
     return ToolPlan(tools, choice, named, body.parallel_tool_calls is not False)
 
 
-def _tool_chunk(index: int, out: RequestOutput, tools: ToolPlan) -> ChatChunkChoice:
-    """A finished choice of a request with tools, as one chunk: its calls, or its content."""
-    c = out.outputs[0]
-    content, calls, finish = tools.message(c.text, c.finish_reason)
-    if calls is None:
-        delta = DeltaMessage(content=content)
-    else:
-        delta = DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=call["id"], type="function",
-                                                       function=DeltaFunctionCall(**call["function"]))
-                                         for i, call in enumerate(calls)])
-    return ChatChunkChoice(index=index, delta=delta, finish_reason=finish, stop_reason=c.stop_reason)
+def _delta_calls(deltas: list[dict[str, Any]]) -> list[DeltaToolCall] | None:
+    return [DeltaToolCall(index=d["index"], id=d.get("id"), type=d.get("type"),
+                          function=DeltaFunctionCall(**d["function"])) for d in deltas] or None
 
 
 def _call_chunk(index: int, out: RequestOutput, tools: ToolPlan, stream: CallStream) -> ChatChunkChoice | None:
@@ -242,13 +235,26 @@ def _call_chunk(index: int, out: RequestOutput, tools: ToolPlan, stream: CallStr
     adds; at its end finish_reason `tool_calls`, or `length` (and the fragments so far) when
     max_tokens cut the calls short."""
     c = out.outputs[0]
-    new = [DeltaToolCall(index=d["index"], id=d.get("id"), type=d.get("type"),
-                         function=DeltaFunctionCall(**d["function"])) for d in stream.deltas(c.text)]
+    new = _delta_calls(stream.deltas(c.text))
     if not new and not out.finished:
         return None
     finish = tools.message(c.text, c.finish_reason)[2] if out.finished else None
-    return ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=new or None), finish_reason=finish,
+    return ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=new), finish_reason=finish,
                            stop_reason=c.stop_reason if out.finished else None)
+
+
+def _auto_chunk(index: int, out: RequestOutput, stream: AutoStream,
+                logprobs: Callable[[], ChatLogprobs | None]) -> ChatChunkChoice | None:
+    """A streamed choice under tool_choice "auto": content once the text cannot open a calls
+    object, call deltas once it has (`AutoStream`); logprobs (`logprobs()`: the tokens' since
+    the last content) ride with the content."""
+    c = out.outputs[0]
+    content, deltas, finish = stream.step(c.text, c.finish_reason if out.finished else None)
+    lp = logprobs() if stream.mode == "content" else None
+    if not content and not deltas and lp is None and not out.finished:
+        return None
+    return ChatChunkChoice(index=index, delta=DeltaMessage(content=content or None, tool_calls=_delta_calls(deltas)),
+                           logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason if out.finished else None)
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -543,18 +549,21 @@ class OpenAIServing:
             return data
 
         calls = [CallStream() for _ in range(group.size)] if tools.streams_calls else None
+        autos = [AutoStream(tools) for _ in range(group.size)] if tools.active and calls is None else None
+
+        def logprobs_of(index: int, c: CompletionOutput) -> ChatLogprobs | None:
+            """The logprobs of the choice's tokens since the last call (None without new tokens)."""
+            start, tokens_sent[index] = tokens_sent[index], len(c.token_ids)
+            new_ids = c.token_ids[start:]
+            return chat_logprobs((c.logprobs or [])[start:], new_ids, top_k) if top_k is not None and new_ids else None
 
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]
             if calls is not None:   # forced calls: id and name, then the arguments' fragments
                 return _call_chunk(index, out, tools, calls[index])
-            if tools.active:   # auto: whether the text is calls is known at its end: one chunk then
-                return _tool_chunk(index, out, tools) if out.finished else None
-            new_ids = c.token_ids[tokens_sent[index]:]
-            lp = None
-            if top_k is not None and new_ids:
-                lp = chat_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, top_k)
-            tokens_sent[index] = len(c.token_ids)
+            if autos is not None:   # auto: content, or the calls once the text opens them
+                return _auto_chunk(index, out, autos[index], lambda: logprobs_of(index, c))
+            lp = logprobs_of(index, c)
             if not c.delta_text and lp is None and not out.finished:
                 return None
             delta = DeltaMessage(content=c.delta_text) if c.delta_text or not out.finished else DeltaMessage()

@@ -12,12 +12,26 @@ The calls a model makes are one JSON object, whatever the template:
   that object (each call's `arguments` by its function's `parameters`), so the call always
   parses; `parallel_tool_calls: false` allows exactly one call.
 * "auto": unconstrained; an output that is such an object naming known tools becomes tool
-  calls, anything else is the message's content. "none": the tools are not shown.
+  calls, anything else is the message's content. The object must open the output: `{`, then
+  `"tool_calls"` as its first key, then `:` and `[` (JSON whitespace allowed before and between
+  them; `call_opening`); text before it or another key first makes the whole output content.
+  "none": the tools are not shown.
 * Assistant messages with `tool_calls` and `tool` messages in the conversation are written back
   in the same JSON form (and the tool's result as the tool message's content).
 * Streaming a forced call (`CallStream`): as OpenAI streams calls, each call's id, type and name
   come in one delta as soon as its name is complete, then its arguments' text in fragments as
   the model writes them; the fragments of a call join into its arguments' JSON.
+* Streaming under "auto" (`AutoStream`): while the text may still be the start of the calls
+  object's opening it is held back (only that: leading whitespace and at most
+  `{"tool_calls": [`); once it cannot be, everything so far and then each new piece goes out
+  as `content`. Once the opening is complete the choice streams as `CallStream` does, and ends
+  with finish_reason `tool_calls` when the final text parses as calls (`ToolPlan.message`).
+  When it turns out not to be calls, the client gets the non-streamed answer: the whole text
+  as `content` (and the non-streamed finish_reason, `stop` or `length`). A call that names an
+  unknown tool, or whose arguments do not start as an object, shows it at once (the text so
+  far goes out as content, the rest streams as content); otherwise the end shows it (the whole
+  text in the last chunk). Call deltas sent before are then void: finish_reason `tool_calls`
+  means the calls, anything else the content.
 """
 
 from __future__ import annotations
@@ -25,6 +39,9 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+
+_OPENING = ("{", '"tool_calls"', ":", "[")
+_JSON_SPACE = " \t\n\r"
 
 GENERIC_INSTRUCTIONS = (
     "You can call functions. To call one or more, answer with only a JSON object of the form "
@@ -67,8 +84,30 @@ def call_schema(tools: list[dict[str, Any]], only: str | None, parallel: bool) -
             "properties": {"tool_calls": array}}
 
 
+def call_opening(text: str) -> int | None:
+    """The length of the calls object's opening `{"tool_calls": [` at the start of `text`
+    (JSON whitespace allowed before and between its parts); 0 while the text may still grow
+    into it; None when it cannot.
+
+        '  {"tool_c' -> 0     '{ "tool_calls" :[{' -> 17     'Sure, {"tool_calls"' -> None
+    """
+    i = 0
+    for part in _OPENING:
+        while i < len(text) and text[i] in _JSON_SPACE:
+            i += 1
+        have = text[i:i + len(part)]
+        if not part.startswith(have):
+            return None
+        if len(have) < len(part):
+            return 0
+        i += len(part)
+    return i
+
+
 def parse_calls(text: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """The OpenAI `tool_calls` an output holds, or None when it is not tool calls."""
+    if not call_opening(text):
+        return None
     try:
         value = json.loads(text.strip())
     except ValueError:
@@ -180,12 +219,12 @@ class CallStream:
         self.ids: list[str] = []
         self.sent: list[int] = []      # characters of each call's arguments sent
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
+    def deltas(self, text: str, scanned: list[list] | None = None) -> list[dict[str, Any]]:
         """The deltas the text adds since the last call: {"index", "id", "type", "function":
         {"name", "arguments": ""}} when a call's name is complete, then {"index", "function":
-        {"arguments": fragment}}."""
+        {"arguments": fragment}}. `scanned`: `scan_calls(text)`, when the caller has it."""
         out: list[dict[str, Any]] = []
-        for i, (name, a0, a1) in enumerate(scan_calls(text)):
+        for i, (name, a0, a1) in enumerate(scan_calls(text) if scanned is None else scanned):
             if name is None:
                 break
             if i == len(self.ids):
@@ -200,3 +239,59 @@ class CallStream:
                 out.append({"index": i, "function": {"arguments": frag}})
                 self.sent[i] += len(frag)
         return out
+
+
+class AutoStream:
+    """One streamed choice under tool_choice "auto", from its growing text: the content to send
+    and the call deltas (the rules are in the module docstring). `mode`: "held" while the text
+    may still open the calls object, then "calls" or "content"."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.names = {t["function"]["name"] for t in plan.tools}
+        self.mode = "held"
+        self.calls = CallStream()
+        self.sent = 0     # characters of the text sent as content
+
+    def step(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
+        """(content, call deltas, finish_reason) that the text adds since the last step;
+        `finish` is the choice's finish_reason once it has ended, else None."""
+        scanned = self._decide(text)
+        if finish is not None:
+            return self._end(text, finish)
+        if self.mode == "calls":
+            return "", self.calls.deltas(text, scanned), None
+        return (self._rest(text) if self.mode == "content" else ""), [], None
+
+    def _decide(self, text: str) -> list[list] | None:
+        """Moves on from "held" when the text decides; leaves "calls" for "content" when a call
+        names an unknown tool or its arguments are not an object. Returns the scanned calls."""
+        if self.mode == "held":
+            opened = call_opening(text)
+            if opened is None:
+                self.mode = "content"
+            elif opened:
+                self.mode = "calls"
+        if self.mode != "calls":
+            return None
+        try:
+            scanned = scan_calls(text)
+        except ValueError:       # a key that is no JSON string
+            scanned = None
+        if scanned is None or any((name is not None and name not in self.names)
+                                  or (a0 is not None and text[a0] != "{") for name, a0, _ in scanned):
+            self.mode = "content"
+        return scanned
+
+    def _end(self, text: str, finish: str) -> tuple[str, list[dict[str, Any]], str | None]:
+        """The last step: the remaining call deltas and `tool_calls` when the text is calls,
+        else the rest of the text as content and the choice's own finish_reason."""
+        calls = self.plan.message(text, finish)[1]
+        if calls is not None and self.mode == "calls":
+            return "", self.calls.deltas(text), "tool_calls"
+        self.mode = "content"
+        return self._rest(text), [], finish
+
+    def _rest(self, text: str) -> str:
+        piece, self.sent = text[self.sent:], len(text)
+        return piece

@@ -60,6 +60,39 @@ def _native_stderr(sink: list[str]) -> Iterator[None]:
             sink.extend(f.read().decode(errors="replace").splitlines())
 
 
+# keys whose values are JSON data, not schemas: a `required` inside them is no keyword
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _unenforced_required(schema: Any) -> str | None:
+    """The first `required` name, at any depth, that is not among its own schema's `properties`.
+    xgrammar never enforces one: with additional properties allowed it lets `{}` through, without
+    them (its default) it cannot write the key at all, and on a schema without `type` and
+    `properties` it accepts any value."""
+    if isinstance(schema, list):
+        return next((found for item in schema if (found := _unenforced_required(item)) is not None), None)
+    if not isinstance(schema, dict):
+        return None
+    required, props = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):
+        names = props if isinstance(props, dict) else {}
+        missing = next((r for r in required if isinstance(r, str) and r not in names), None)
+        if missing is not None:
+            return missing
+    return next((found for key, value in schema.items() if key not in _DATA_KEYS
+                 and (found := _unenforced_required(value)) is not None), None)
+
+
+def _schema_value(schema: str | dict) -> Any:
+    """The schema as a value (None when its text is no JSON: xgrammar says why when it compiles)."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except ValueError:
+        return None
+
+
 def _choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
@@ -78,8 +111,13 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """Refuses what xgrammar would compile loosely (it says so only on stderr: `oneOf` read as
-        `anyOf`, `multipleOf` on numbers, lengths beside a `pattern`, ...): a grammar looser than
-        its schema lets invalid output through, claimed complete."""
+        `anyOf`, `multipleOf` on numbers, lengths beside a `pattern`, ...; and, silently, a
+        `required` name that is not in `properties`): a grammar looser than its schema lets
+        invalid output through, claimed complete."""
+        if spec.kind == "json":
+            if (name := _unenforced_required(_schema_value(spec.json))) is not None:
+                raise ValueError(f"not enforceable exactly: required property {name!r} is not in the "
+                                 "properties of its schema")
         lines: list[str] = []
         with _native_stderr(lines):
             compiled = self._compile(spec)
