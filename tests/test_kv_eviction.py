@@ -486,8 +486,8 @@ def test_window_layers_see_the_kept_entries_within_their_window(tiny_gemma3_w16,
     assert err <= tol * float(want.abs().max()) and err_before > 10 * err
 
 
-@pytest.mark.parametrize("params", [KVEvictionParams("streaming", budget=16), KVEvictionParams("snapkv", budget=12, window=4)],
-                         ids=["streaming", "snapkv"])
+@pytest.mark.parametrize("params", [KVEvictionParams("streaming", budget=16),
+                                    KVEvictionParams("snapkv", budget=12, window=4)], ids=["streaming", "snapkv"])
 def test_eval_scorer_windows_by_position_as_the_engine_does(tiny_gemma3_w16, monkeypatch, params):
     """`loom eval --kv-eviction` on a sliding-window model: every scored token's log-probabilities
     equal the one-pass reference with the keys its chunk kept, windowed by position."""

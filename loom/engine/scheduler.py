@@ -30,7 +30,8 @@ allocated, its policy may free whole blocks (StreamingLLM) or a selection made a
 prompt is applied by packing the kept entries into fresh blocks (SnapKV; the slot moves go to the
 runner in `kv_moves`). The request's positions keep counting every computed token; its KV length
 (`kv_len`) is what the block table holds, `ScheduledSeq.kv_start` tells the runner where the
-new tokens go and `ScheduledSeq.kv_runs` which position each kept entry has (for sliding windows). A StreamingLLM request is not stopped at max_model_len.
+new tokens go and `ScheduledSeq.kv_runs` which position each kept entry has (for sliding
+windows). A StreamingLLM request is not stopped at max_model_len.
 """
 
 from __future__ import annotations
