@@ -95,6 +95,9 @@ class ScheduledSeq:
     # KV eviction: the KV index of the first new token (None: start_pos, nothing evicted); the
     # slot list the attention reads is the block table's first kv_start + len(token_ids) slots
     kv_start: int | None = None
+    # KV eviction: where the runs of consecutive positions start in the slot list, as (KV index,
+    # position) pairs (loom/kv/eviction/positions.py); () when nothing was evicted
+    kv_runs: tuple[tuple[int, int], ...] = ()
     # SnapKV: record the queries of new tokens at positions >= observe_from (the observation
     # window), and after the step, with `select`, choose the KV entries to keep
     observe_from: int | None = None

@@ -328,6 +328,76 @@ def test_attention_split_across_keys_matches_torch_at_long_context(window, fmt, 
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-5)
 
 
+def _window_reference(q, k, v, q_pos, k_pos, scale, window):
+    """Float64 attention of queries q [R, H, D] at positions q_pos [R] over keys k, v [L, Hkv, D]
+    at positions k_pos [L]: a query sees the keys with p - window < position <= p."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(G, dim=1), v.double().repeat_interleave(G, dim=1)   # [L, H, D]
+    s = torch.einsum("rhd,lhd->rhl", q.double(), kk) * scale
+    visible = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)      # [R, L]
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    return torch.einsum("rhl,lhd->rhd", s.softmax(-1), vv).float().flatten(1)                 # [R, H*D]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_sliding_window_is_applied_by_position_after_eviction(fmt):
+    """Key lists with evicted entries (gaps in their positions): a window layer's query at
+    position p sees exactly the kept keys with p - W < position <= p, on the kernel and the
+    torch paths, over lists of several parts (SPLIT = 256 keys); a sequence with nothing
+    evicted in the same batch keeps the last-W-entries rule, with the same bits as without
+    positions."""
+    kern = kernels.load()
+    g = torch.Generator().manual_seed(4)
+    H, Hkv, D, W = 4, 2, 64, 350
+    scattered = torch.cat([torch.sort(torch.randperm(1499, generator=g)[:499]).values, torch.tensor([1499])])
+    # (new tokens, positions of the kept entries or None: entry i at position i, context length)
+    seqs = [(40, torch.cat([torch.arange(64), torch.arange(400, 420), torch.arange(700, 1000)]), 384),  # 2 groups
+            (1, scattered, 500),                                     # a SnapKV-like selection, decoding
+            (3, None, 600),                                          # nothing evicted
+            (1, None, 50),
+            (1, torch.cat([torch.arange(16), torch.arange(2000, 2100)]), 116)]   # sinks out of the window
+    f = kv_format(fmt)
+    kc = f.encode(torch.randn(5 * 600, Hkv, D, generator=g))
+    vc = f.encode(torch.randn(5 * 600, Hkv, D, generator=g))
+    kv_slots = [torch.randperm(600, generator=g)[:c] + 600 * i for i, (_, _, c) in enumerate(seqs)]
+    query_lens = [n for n, _, _ in seqs]
+    positions = [pos for _, pos, _ in seqs]
+    slot_mapping = torch.cat([s[-n:] for s, n in zip(kv_slots, query_lens)])
+    q = torch.randn(sum(query_lens), H, D, generator=g)
+    k, v = f.decode(kc[slot_mapping]), f.decode(vc[slot_mapping])
+
+    def meta(pos=positions):
+        return AttentionMetadata.build(slot_mapping, query_lens, [c for _, _, c in seqs], kv_slots, None, pos)
+
+    want, at = [], 0
+    for (n, pos, c), sl in zip(seqs, kv_slots):
+        pos = torch.arange(c) if pos is None else pos
+        want.append(_window_reference(q[at:at + n], f.decode(kc[sl]), f.decode(vc[sl]), pos[c - n:], pos, 0.125, W))
+        at += n
+    want = torch.cat(want)
+    torch.testing.assert_close(paged_attention(q, k, v, kc, vc, meta(), 0.125, W, stored=True), want,
+                               rtol=1e-4, atol=2e-5)
+    out = paged_attention(q, k, v, kc, vc, meta(), 0.125, W, stored=True, kern=kern)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=2e-5)
+    m = meta()
+    assert int(m.kernel_rows().first_keys(m, W)[40]) == int((scattered <= 1499 - W).sum())   # the decode row
+    plain = paged_attention(q, k, v, kc, vc, meta(None), 0.125, W, stored=True, kern=kern)
+    assert torch.equal(out[41:45], plain[41:45])      # the sequences with nothing evicted: the same bits
+    assert not torch.allclose(out[:41], plain[:41], atol=1e-3)   # the last W entries reach the sinks
+
+
+@needs_kernels
+def test_attention_first_keys_are_checked():
+    kern = kernels.load()
+    kc = vc = torch.zeros(8, 1, 16, dtype=torch.float16)
+    q, slots, ctx = torch.zeros(2, 16), torch.zeros(2, 8, dtype=torch.int64), torch.tensor([3, 8])
+    with pytest.raises(RuntimeError, match=r"first\[1\] = 8 is outside the row's keys 0 .. 7"):
+        kern.attn_decode(q, kc, vc, slots, ctx, 1, 1, 0.25, 4, None, None, 0, torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="one int64 per row"):
+        kern.attn_decode(q, kc, vc, slots, ctx, 1, 1, 0.25, 4, None, None, 0, torch.tensor([0]))
+
+
 @needs_kernels
 def test_add_rmsnorm():
     h, y, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64)

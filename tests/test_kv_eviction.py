@@ -11,7 +11,7 @@ import torch
 
 from loom.errors import InvalidRequestError
 from loom.eviction_params import KVEvictionParams
-from loom.kv.eviction import SnapKVEviction, StreamingEviction, make_policy
+from loom.kv.eviction import SnapKVEviction, StreamingEviction, kept_runs, make_policy, positions_tensor
 from loom.kv.manager import KVCacheManager
 from loom.model.kv_cache import KVCacheTensors, kv_keys
 from loom.model.kv_dtypes.int8 import INT8
@@ -106,6 +106,16 @@ def test_snapkv_keeps_the_attended_tokens_the_sinks_and_the_window():
 
 
 # -- the block manager -------------------------------------------------------------------------------
+
+
+def test_kv_runs_follow_the_positions_of_the_kept_entries():
+    runs = kept_runs((), 16, [0, 1, 2, 3])                 # blocks 1..3 of 16 entries dropped
+    assert runs == ((0, 0), (4, 16))                        # the next entry goes at position 16
+    assert positions_tensor(runs, 7).tolist() == [0, 1, 2, 3, 16, 17, 18]
+    again = kept_runs(runs, 10, [0, 1, 2, 3, 6, 8])        # positions 18 and 20 kept, next is 22
+    assert again == ((0, 0), (4, 18), (5, 20), (6, 22))
+    assert positions_tensor(again, 8).tolist() == [0, 1, 2, 3, 18, 20, 22, 23]
+    assert kept_runs((), 8, range(8)) == () and positions_tensor((), 3).tolist() == [0, 1, 2]
 
 
 def test_drop_blocks_never_frees_a_block_another_sequence_holds():
@@ -362,3 +372,134 @@ def test_sliding_window_model_evicts_too(tiny_gemma3_path):
     engine = make(max_model_len=48)
     assert len(run(engine, prompt, greedy(40, {"policy": "streaming", "budget": 24}))) == 40
     assert len(run(engine, prompt[:40], greedy(6, {"policy": "snapkv", "budget": 24, "window": 4}))) == 6
+
+
+# -- sliding windows by position after eviction (Gemma 3) --------------------------------------------------
+
+
+def _by_position(visible: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, T]: the visible keys of each query p with position > p - window."""
+    pos = torch.arange(visible.shape[0])
+    return visible & (pos[None, :] > pos[:, None] - window)
+
+
+def _last_entries(visible: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, T]: the last `window` visible keys of each query (the rule before positions were known)."""
+    return visible & (visible.flip(1).cumsum(1).flip(1) <= window)
+
+
+def _gemma3_reference(model, ids: list[int], visible: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [T, V] of the tiny gemma3 over one sequence computed in one pass, the query
+    at position p seeing the keys visible[p] in the global layers and local[p] in the
+    sliding-window ones. A key's K/V depends only on its own row, so one pass with the rows an
+    engine's steps saw computes what the step-by-step run computes."""
+    from loom.model.layers.norm import rms_norm
+    from loom.model.layers.rope import apply_rope
+
+    cfg, eps = model.cfg, model.cfg.rms_norm_eps
+    T, H, Hkv, Dh = len(ids), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pos = torch.arange(T)
+    h = model.embed[torch.tensor(ids)] * model.embed_scale                                 # [T, D]
+    for layer in model.layers:
+        cos, sin = (model.rope_local if layer.sliding else model.rope_global).tables(pos, torch.float32)
+        q, k, v = layer.qkv(rms_norm(h, layer.attn_norm, eps)).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        q = apply_rope(rms_norm(q.view(T, H, Dh), layer.q_norm, eps), cos, sin).transpose(0, 1)    # [H, T, Dh]
+        k = apply_rope(rms_norm(k.view(T, Hkv, Dh), layer.k_norm, eps), cos, sin).transpose(0, 1)  # [Hkv, T, Dh]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v.view(T, Hkv, Dh).transpose(0, 1), attn_mask=local if layer.sliding else visible,
+            scale=cfg.attn_scale, enable_gqa=True)                                         # [H, T, Dh]
+        h = h + rms_norm(layer.o(o.transpose(0, 1).reshape(T, H * Dh)), layer.post_attn_norm, eps)
+        gate, up = layer.gate_up(rms_norm(h, layer.ffn_norm, eps)).chunk(2, dim=-1)
+        h = h + rms_norm(layer.down(torch.nn.functional.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm, eps)
+    return model.compute_logits(rms_norm(h, model.norm, eps))
+
+
+class _Recorder:
+    """Spies on a model: the positions each forward pass computed with the positions of the KV
+    entries it saw (the visibility of the reference), and the logits the engine sampled from."""
+
+    def __init__(self, model, monkeypatch):
+        self.visible = torch.zeros(512, 512, dtype=torch.bool)
+        self.logits: list[tuple[int, torch.Tensor]] = []
+        self.evicted_steps = 0
+        forward, logits = model.forward, model.compute_logits
+
+        def spy_forward(ids, positions, meta, kv):
+            keys = meta.positions_of(0)
+            self.evicted_steps += keys is not None
+            keys = torch.arange(meta.context_lens[0]) if keys is None else keys
+            for p in positions.tolist():
+                self.visible[p, keys[keys <= p]] = True
+            self.last = positions[-1].item()
+            return forward(ids, positions, meta, kv)
+
+        def spy_logits(hidden):
+            out = logits(hidden)
+            self.logits.append((self.last, out[-1]))
+            return out
+
+        monkeypatch.setattr(model, "forward", spy_forward)
+        monkeypatch.setattr(model, "compute_logits", spy_logits)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_w16(tmp_path_factory):
+    """A tiny gemma3 (5 window layers + 1 global) with a 16-token window and its tokenizer."""
+    import tiny_gguf
+
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+
+    path = tiny_gguf.write_tiny_gemma3(tmp_path_factory.mktemp("g16") / "g16.gguf", sliding_window=16, seed=3)
+    return path, Tokenizer.from_gguf(GGUFFile.open(path))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])    # the torch path; loom's kernels (float16 KV)
+@pytest.mark.parametrize("eviction", [{"policy": "streaming", "budget": 16},
+                                      {"policy": "snapkv", "budget": 12, "window": 4}], ids=["streaming", "snapkv"])
+def test_window_layers_see_the_kept_entries_within_their_window(tiny_gemma3_w16, monkeypatch, dtype, eviction):
+    """With evicted entries, a sliding-window layer attends to the kept keys within W positions
+    of the query, not to the last W kept entries (which here reach the sinks or the selected
+    old tokens): the logits the engine samples from equal a one-pass reference with exactly
+    those keys visible, step by step."""
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+    from loom.model.build import load_model
+
+    path, tok = tiny_gemma3_w16
+    model = load_model(path, linear="exact" if dtype == "float32" else "auto")
+    assert (model.kern is None) == (dtype == "float32")
+    rec = _Recorder(model, monkeypatch)
+    engine = Engine(EngineConfig.create(str(path), dtype=dtype, block_size=4, num_blocks=256, max_num_batched_tokens=16,
+                                        max_num_seqs=4, enable_prefix_caching=False), model=model, tokenizer=tok)
+    prompt = list(range(5, 85))
+    tokens = run(engine, prompt, greedy(30, eviction))
+    assert len(tokens) == 30 and rec.evicted_steps >= 29        # every step after the cut
+    T = len(prompt) + len(tokens) - 1
+    visible, rows = rec.visible[:T, :T], [p for p, _ in rec.logits]
+    got = torch.stack([row for _, row in rec.logits])
+    want = _gemma3_reference(model, prompt + tokens[:-1], visible, _by_position(visible, 16))[rows]
+    # the rule before: the last W kept entries, which reach the sinks or the selected old tokens
+    before = _gemma3_reference(model, prompt + tokens[:-1], visible, _last_entries(visible, 16))[rows]
+    err, err_before = float((got - want).abs().max()), float((got - before).abs().max())
+    tol = 1e-5 if dtype == "float32" else 0.05      # auto: int8 activations, float16 KV
+    assert err <= tol * float(want.abs().max()) and err_before > 10 * err
+
+
+@pytest.mark.parametrize("params", [KVEvictionParams("streaming", budget=16),
+                                    KVEvictionParams("snapkv", budget=12, window=4)], ids=["streaming", "snapkv"])
+def test_eval_scorer_windows_by_position_as_the_engine_does(tiny_gemma3_w16, monkeypatch, params):
+    """`loom eval --kv-eviction` on a sliding-window model: every scored token's log-probabilities
+    equal the one-pass reference with the keys its chunk kept, windowed by position."""
+    from loom.model.build import load_model
+    from loom.model.score_evicted import score_evicted
+
+    model = load_model(tiny_gemma3_w16[0], linear="exact")
+    rec = _Recorder(model, monkeypatch)
+    toks = list(range(5, 125))
+    got = torch.cat(list(score_evicted(model, toks, 0, make_policy(params), 80)))     # [T - 1, V]
+    T = len(toks)
+    visible = rec.visible[:T, :T]
+    assert rec.evicted_steps > 0 and not torch.equal(_by_position(visible, 16), _last_entries(visible, 16))
+    want = _gemma3_reference(model, toks, visible, _by_position(visible, 16)).log_softmax(dim=-1)[:T - 1]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from loom.contracts import DraftTree
 from loom.errors import InvalidRequestError
-from loom.kv.eviction import EvictionPolicy
+from loom.kv.eviction import EvictionPolicy, KVRuns
 from loom.outputs import RequestMetrics, SampleLogprobs
 from loom.sampling_params import SamplingParams
 
@@ -53,7 +53,8 @@ class Request:
         KV entries:    |<- kv_len ->|                    (fewer when KV was evicted)
 
     With KV eviction (`eviction`), `num_evicted` computed tokens have no KV entry any more:
-    positions (RoPE) count all computed tokens, the block table holds kv_len entries.
+    positions (RoPE) count all computed tokens, the block table holds kv_len entries, and
+    `kv_runs` says which position each of them has.
 
     Each step the scheduler grants `num_tokens - num_computed_tokens` (or a chunk of it)
     new tokens; a token is sampled when the grant reaches `num_tokens`.
@@ -85,6 +86,7 @@ class Request:
     draft: DraftTree | None = None       # speculative tokens proposed for the next step (not committed)
     eviction: EvictionPolicy | None = None
     num_evicted: int = 0                 # computed tokens whose KV entries were evicted
+    kv_runs: KVRuns = ()                 # positions of the kept entries (loom/kv/eviction/positions.py)
     kv_keep: list[int] | None = None     # a selection (KV indices) waiting to be applied next step
     kv_selected: bool = False            # the prompt-end selection (SnapKV) is done
 

@@ -29,8 +29,9 @@ KV eviction (`Request.eviction`, loom/kv/eviction): before a running request's g
 allocated, its policy may free whole blocks (StreamingLLM) or a selection made at the end of its
 prompt is applied by packing the kept entries into fresh blocks (SnapKV; the slot moves go to the
 runner in `kv_moves`). The request's positions keep counting every computed token; its KV length
-(`kv_len`) is what the block table holds, and `ScheduledSeq.kv_start` tells the runner where the
-new tokens go. A StreamingLLM request is not stopped at max_model_len.
+(`kv_len`) is what the block table holds, `ScheduledSeq.kv_start` tells the runner where the
+new tokens go and `ScheduledSeq.kv_runs` which position each kept entry has (for sliding
+windows). A StreamingLLM request is not stopped at max_model_len.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from loom.config import CacheConfig, SchedulerConfig
 from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
 from loom.engine.request import Request, RequestStatus
+from loom.kv.eviction import kept_runs
 from loom.kv.manager import KVCacheManager, PrefixHit
 
 
@@ -159,12 +161,15 @@ class Scheduler:
             moves = self.kv.compact(req.request_id, req.kv_keep)
             if moves is None:
                 return []        # too few free blocks to pack into: try again next step
+            req.kv_runs = kept_runs(req.kv_runs, req.kv_len, req.kv_keep)
             req.num_evicted += req.kv_len - len(req.kv_keep)
             req.kv_keep = None
             return moves
         drop = req.eviction.blocks_to_drop(req.kv_len, n, self.block_size)
         if drop:
             self.kv.drop_blocks(req.request_id, drop)
+            bs, gone = self.block_size, set(drop)
+            req.kv_runs = kept_runs(req.kv_runs, req.kv_len, [i for i in range(req.kv_len) if i // bs not in gone])
             req.num_evicted += len(drop) * self.block_size
         return []
 
@@ -196,7 +201,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_evicted, req.kv_keep, req.kv_selected = 0, None, False
+        req.num_evicted, req.kv_keep, req.kv_selected, req.kv_runs = 0, None, False, ()
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.append(req)
@@ -279,7 +284,8 @@ class Scheduler:
         if end == req.num_tokens:
             req.kv_selected = True   # a short prompt needs no selection; a long one gets it now
         return ScheduledSeq(req.request_id, req.all_token_ids[start:end], start, self.kv.block_table(req.request_id),
-                            end == req.num_tokens, kv_start=req.kv_len, observe_from=observe_from, select=select)
+                            end == req.num_tokens, kv_start=req.kv_len, kv_runs=req.kv_runs,
+                            observe_from=observe_from, select=select)
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Applies a step's results; returns the requests that got tokens or finished."""

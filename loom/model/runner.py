@@ -12,7 +12,8 @@ With KV eviction a sequence's positions and its KV indices part: positions (what
 by) count every computed token, while its KV list holds only the kept entries, in order, and the
 new tokens go at KV index `kv_start`. Keys were rotated at their own positions when stored, so
 a kept key keeps its rotation and the attention between a new query and it sees their true
-distance (docs/kv_eviction.md).
+distance (docs/kv_eviction.md). The position of every kept entry (`ScheduledSeq.kv_runs`) goes
+to the attention metadata, for the sliding-window layers.
 
 and computes logits only for the rows it samples (the last new token of a sequence
 whose grant reaches its end).
@@ -27,7 +28,7 @@ from typing import Iterator
 import torch
 
 from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost, TokenLogprobs
-from loom.kv.eviction import EvictionPolicy, make_policy
+from loom.kv.eviction import EvictionPolicy, make_policy, positions_tensor
 from loom.model.kv_cache import KVCacheTensors, kv_keys
 from loom.model.kv_dtypes import KVFormat
 from loom.model.layers.attention import AttentionMetadata, tree_attention_mask
@@ -292,7 +293,7 @@ def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, Atte
         tokens     c  n0  n1  n2  n3
         positions  p  p+1 p+1 p+2 p+3
     """
-    ids, pos, query_lens, ctx_lens, kv_slots, masks = [], [], [], [], [], []
+    ids, pos, query_lens, ctx_lens, kv_slots, masks, kv_pos = [], [], [], [], [], [], []
     offsets = torch.arange(block_size)
     for s in seqs:
         kv_start = s.start_pos if s.kv_start is None else s.kv_start
@@ -306,12 +307,14 @@ def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, Atte
         masks.append(tree_attention_mask(n - nd, s.draft_parents) if nd else None)
         table = torch.tensor(s.block_table[:(ctx + block_size - 1) // block_size], dtype=torch.int64)
         kv_slots.append((table[:, None] * block_size + offsets).flatten()[:ctx])   # [ctx]
+        kv_pos.append(positions_tensor(s.kv_runs, ctx) if s.kv_runs else None)     # [ctx] after eviction
         query_lens.append(n)
         ctx_lens.append(ctx)
     positions = torch.cat(pos)
     slot_mapping = torch.cat([sl[-n:] for sl, n in zip(kv_slots, query_lens)])
     meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots,
-                                   masks if any(m is not None for m in masks) else None)
+                                   masks if any(m is not None for m in masks) else None,
+                                   kv_pos if any(p is not None for p in kv_pos) else None)
     return torch.tensor(ids, dtype=torch.int64), positions, meta
 
 

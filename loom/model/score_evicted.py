@@ -5,7 +5,9 @@ The KV list (slots the attention reads, in order) is cut exactly as the engine c
 block table: before every chunk, a block-freeing policy (StreamingLLM) frees whole blocks of
 `block_size` entries; a selecting policy (SnapKV) observes the last `window` tokens of the
 prompt (the first `prompt_len` tokens) in a chunk of their own and keeps its selection for the
-rest. Positions are the true ones throughout, as in the engine.
+rest. Positions are the true ones throughout, as in the engine, and sliding-window layers see
+the kept entries within their window's positions (the private cache's slot i holds position i,
+so the KV list is also the list of the kept entries' positions).
 
     streaming  chunks of `chunk` tokens, each seeing at most `budget` entries (kept + itself)
     snapkv     [0, P - w) in chunks, [P - w, P) observed, then P.. over the kept prompt + itself
@@ -51,7 +53,9 @@ def score_evicted(model, token_ids, first: int, policy: EvictionPolicy, prompt_l
                 gone[j * block_size:(j + 1) * block_size] = True
             kept = kept[~gone]
         kv_list = torch.cat([kept, slots[a:b]])
-        meta = AttentionMetadata.build(slots[a:b], [b - a], [kv_list.numel()], [kv_list])
+        evicted = kv_list.numel() < b        # slot i holds position i: the list is its positions
+        meta = AttentionMetadata.build(slots[a:b], [b - a], [kv_list.numel()], [kv_list],
+                                       kv_positions=[kv_list] if evicted else None)
         if b == observe_end:
             meta.observe_rows = torch.arange(b - a)
         hidden = model.forward(ids[a:b], slots[a:b], meta, kv)                      # [b - a, D]

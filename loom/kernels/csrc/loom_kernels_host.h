@@ -110,11 +110,12 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
 // Attention of query rows over the paged cache (see loom_kernels_loops.h). q [R, >= H*D]
 // float32 rows; slots [R, Lmax] int64; ctx [R]; groups [NG + 1] row starts and shared [NG],
 // or both empty: every row its own group sharing its whole context. Caches in kv_format (as in
-// rope_store).
+// rope_store). first [R] (optional): each row's first visible key, 0 <= first < ctx, in place of
+// ctx - window (a sliding window by position over a key list with evicted entries).
 torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                           torch::Tensor ctx, int64_t H, int64_t Hkv, double scale, int64_t window,
                           c10::optional<torch::Tensor> groups, c10::optional<torch::Tensor> shared,
-                          int64_t kv_format) {
+                          int64_t kv_format, c10::optional<torch::Tensor> first) {
   check_f32_rows(q, "q");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == Hkv,
@@ -124,6 +125,14 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
               "slots must be an int64 [rows, L] tensor");
   torch::Tensor cl_t = ctx.contiguous();
   TORCH_CHECK(cl_t.scalar_type() == torch::kInt64 && cl_t.numel() == R, "ctx must hold one int64 per row");
+  torch::Tensor fk_t;
+  if (first.has_value()) {
+    fk_t = first->contiguous();
+    TORCH_CHECK(fk_t.scalar_type() == torch::kInt64 && fk_t.numel() == R, "first must hold one int64 per row");
+    const int64_t *fk = fk_t.data_ptr<int64_t>(), *cl = cl_t.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r)
+      TORCH_CHECK(0 <= fk[r] && fk[r] < cl[r], "first[", r, "] = ", fk[r], " is outside the row's keys 0 .. ", cl[r] - 1);
+  }
   torch::Tensor gs_t, sh_t;
   if (groups.has_value() && shared.has_value()) {
     gs_t = groups->contiguous();
@@ -147,7 +156,8 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
       const PagedAttn<C> a{q.data_ptr<float>(), q.stride(0), (const uint8_t*)k_cache.data_ptr(),
                            (const uint8_t*)v_cache.data_ptr(), C::row_bytes(D), slots.data_ptr<int64_t>(),
                            slots.stride(0), cl_t.data_ptr<int64_t>(), gs_t.data_ptr<int64_t>(),
-                           sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window, out.data_ptr<float>(),
+                           sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window,
+                           first.has_value() ? fk_t.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
                            nullptr, 0, 0, 0};
       attn_impl<Isa, decltype(nv)::value>(a);
     };
@@ -180,6 +190,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attn_decode", &loom::attn_decode, "attention of query rows over the paged KV cache", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("ctx"), py::arg("H"), py::arg("Hkv"),
         py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
-        py::arg("kv_format") = 0);
+        py::arg("kv_format") = 0, py::arg("first") = py::none());
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
 }

@@ -205,7 +205,9 @@ void store_row(C* dst, const float* src, int64_t n) {
 
 // ---- attention over the paged cache --------------------------------------------------------
 // One query token per row. Row r has the key slots slots[r, :ctx[r]] (its context in position
-// order); with window W it sees only the last W. Rows come in groups (a sequence's new tokens):
+// order); with window W it sees only the last W, or, where per-row first keys are given (a
+// sliding-window layer over a list with evicted entries, whose last W entries span more than W
+// positions), the keys first[r] .. ctx[r] - 1. Rows come in groups (a sequence's new tokens):
 // the rows of group g agree on their first shared[g] slots, whose keys and values are
 // converted to float once per (group, kv head, part) and used by every query head of every
 // row in the group; each row's keys past the shared part (its own draft nodes) are handled
@@ -240,12 +242,16 @@ struct PagedAttn {   // attn_decode's arguments (see there) as raw pointers
   int64_t NG, H, Hkv, D;
   float scale;
   int64_t window;
+  const int64_t* first_key;      // per row: its first visible key, or null (the window decides)
   float* out;
   float* part;                   // partial results [rows from part_row0][H][NP][PS] (PS = PART_O + D)
   int64_t NP, PS, part_row0;
   float* partial(int64_t row, int64_t h, int64_t p) const { return part + (((row - part_row0) * H + h) * NP + p) * PS; }
   const uint8_t* row(const uint8_t* cache, int64_t slot, int64_t kh) const { return cache + (slot * Hkv + kh) * rb; }
-  int64_t first(int64_t row) const { return window > 0 ? std::max<int64_t>(0, ctx[row] - window) : 0; }
+  int64_t first(int64_t row) const {
+    if (first_key) return first_key[row];
+    return window > 0 ? std::max<int64_t>(0, ctx[row] - window) : 0;
+  }
 };
 
 struct AttnItem {   // one (row group, part, kv head) and the buffers of its steps

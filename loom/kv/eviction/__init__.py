@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from loom.eviction_params import EVICTION_POLICIES, KVEvictionParams
 from loom.kv.eviction.base import EvictionPolicy
+from loom.kv.eviction.positions import KVRuns, kept_runs, positions_tensor
 from loom.kv.eviction.snapkv import SnapKVEviction
 from loom.kv.eviction.streaming import StreamingEviction
 
@@ -26,4 +27,5 @@ def make_policy(params: KVEvictionParams | None) -> EvictionPolicy | None:
     return POLICIES[params.policy](params)
 
 
-__all__ = ["EvictionPolicy", "POLICIES", "SnapKVEviction", "StreamingEviction", "make_policy"]
+__all__ = ["EvictionPolicy", "KVRuns", "POLICIES", "SnapKVEviction", "StreamingEviction", "kept_runs", "make_policy",
+           "positions_tensor"]

@@ -13,6 +13,14 @@ window W only keys with k > p - W. An optional per-sequence `tree_mask`
 [query_len, query_len] replaces the causal rule among the new tokens (speculative
 trees); keys before the new tokens stay visible.
 
+After KV eviction a sequence's list holds only the kept entries, in position order, and
+`kv_positions[s]` gives each one's position: the window is then applied by position (the
+kept entries within W positions of the query, a suffix of its list), not as the last W
+entries, which would reach the sinks or the selected old tokens far behind:
+
+    kept entries   0 1 2 3 | 40 41 ... 50 51      window W = 8, query at position 51
+    visible                          44 ... 51    (the first visible one found by position)
+
 Paths, chosen per sequence, that compute the same function:
   * decode: sequences with one new token are batched into one SDPA call over keys
     gathered into a padded [S, L, Hkv, D] tensor with a validity mask;
@@ -21,7 +29,8 @@ Paths, chosen per sequence, that compute the same function:
     single kernel call that reads keys and values straight from their cache slots. A
     row's key list is the sequence's earlier context plus the new tokens it may see, in
     position order (for a tree node: its ancestors), so causality, tree masks and the
-    sliding window all reduce to "the last keys of the row's list":
+    sliding window all reduce to "the last keys of the row's list" (after eviction, the
+    keys from a first visible one per row, found by position):
 
         context slots  c0 c1 c2 | n0 n1 n2 n3     tree parents [-1, 0, 0, 2]
         row n3         c0 c1 c2   n0    n2 n3     (3 + depth 3 keys)
@@ -52,12 +61,17 @@ class AttentionMetadata:
     query_starts: list[int]             # per sequence: offset of its first new token in the batch
     kv_slots: list[torch.Tensor]        # per sequence: [context_len] slot of every context position
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per sequence or empty
+    # KV eviction: per sequence, [context_len] position of every entry, or None (entry i at
+    # position i); empty when no sequence evicted
+    kv_positions: list[torch.Tensor | None] = field(default_factory=list)
     # decode group of the torch path (query_len == 1, no tree mask), built by `_decode_group`
     decode_seqs: list[int] = field(default_factory=list)
     decode_tokens: torch.Tensor | None = None   # [Sd] token index in the batch
     decode_slots: torch.Tensor | None = None    # [Sd, Lmax] padded slots
-    decode_key_pos: torch.Tensor | None = None  # [1, Lmax] key positions 0..Lmax-1
+    decode_key_pos: torch.Tensor | None = None  # [1, Lmax] key indices 0..Lmax-1
     decode_ctx: torch.Tensor | None = None      # [Sd, 1] context lengths
+    decode_pos: torch.Tensor | None = None      # [Sd, Lmax] key positions, after eviction only
+    decode_q_pos: torch.Tensor | None = None    # [Sd, 1] query positions, after eviction only
     prefill_seqs: list[int] = field(default_factory=list)
     # SnapKV's observation window: batch rows whose (rotated) queries every layer records, in
     # layer order, as (q [R, H, D] float32, the layer's sliding window or None)
@@ -67,13 +81,18 @@ class AttentionMetadata:
     _rows: "KernelRows | None" = None
 
     @classmethod
-    def build(cls, slot_mapping, query_lens, context_lens, kv_slots, tree_masks=None) -> "AttentionMetadata":
+    def build(cls, slot_mapping, query_lens, context_lens, kv_slots, tree_masks=None,
+              kv_positions=None) -> "AttentionMetadata":
         starts, acc = [], 0
         for q in query_lens:
             starts.append(acc)
             acc += q
         meta = cls(slot_mapping, list(query_lens), list(context_lens), starts, kv_slots,
-                   list(tree_masks) if tree_masks else [None] * len(query_lens))
+                   list(tree_masks) if tree_masks else [None] * len(query_lens),
+                   list(kv_positions) if kv_positions else [])
+        for s, pos in enumerate(meta.kv_positions):
+            if pos is not None and meta.tree_masks[s] is not None:
+                raise ValueError(f"sequence {s} has both a tree mask and evicted KV entries")
         for s, q in enumerate(query_lens):
             (meta.decode_seqs if q == 1 and meta.tree_masks[s] is None else meta.prefill_seqs).append(s)
         return meta
@@ -90,6 +109,13 @@ class AttentionMetadata:
         self.decode_tokens = torch.tensor([self.query_starts[s] for s in self.decode_seqs], dtype=torch.int64)
         self.decode_key_pos = torch.arange(lmax).unsqueeze(0)
         self.decode_ctx = torch.tensor([[self.context_lens[s]] for s in self.decode_seqs], dtype=torch.int64)
+        if self.kv_positions:
+            pos = self.decode_key_pos.repeat(len(self.decode_seqs), 1)
+            for row, s in enumerate(self.decode_seqs):
+                if self.kv_positions[s] is not None:
+                    pos[row, :self.context_lens[s]] = self.kv_positions[s]
+            self.decode_pos = pos
+            self.decode_q_pos = pos.gather(1, self.decode_ctx - 1)
 
     def kernel_rows(self) -> "KernelRows":
         """The row layout of the kernel path (built on first use, shared by every layer)."""
@@ -97,11 +123,17 @@ class AttentionMetadata:
             self._rows = KernelRows.build(self)
         return self._rows
 
+    def positions_of(self, s: int) -> torch.Tensor | None:
+        """[context_len] positions of sequence s's entries, or None when entry i is at position i."""
+        return self.kv_positions[s] if self.kv_positions else None
+
     def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[Sd, 1, 1, Lmax] bool: key is a real context position (and inside the window)."""
+        """[Sd, 1, 1, Lmax] bool: key is a real context entry (and inside the window by position)."""
         if window not in self._masks:
             m = self.decode_key_pos < self.decode_ctx
-            if window:
+            if window and self.decode_pos is not None:
+                m &= self.decode_pos > self.decode_q_pos - window
+            elif window:
                 m &= self.decode_key_pos > self.decode_ctx - 1 - window
             self._masks[window] = m[:, None, None, :]
         return self._masks[window]
@@ -118,6 +150,27 @@ class KernelRows:
     rest: list[int]            # sequences left to the prefill path
     groups: torch.Tensor | None = None   # [NG + 1] first row of each sequence's rows
     shared: torch.Tensor | None = None   # [NG] leading slots its rows share (its earlier context)
+    seqs: list[int] = field(default_factory=list)       # the sequences whose tokens are the rows, in order
+    _first: dict = field(default_factory=dict)          # window -> first visible keys [R]
+
+    def first_keys(self, meta: AttentionMetadata, window: int | None) -> torch.Tensor | None:
+        """[R] int64: each row's first visible key under a sliding window applied by position,
+        for a batch with evicted entries; None without a window or eviction (the kernel's
+        ctx - window is then the same). A row's visible keys are the kept entries with
+        position > p - W, a suffix of its list since entries are in position order."""
+        if not window or not meta.kv_positions:
+            return None
+        if window not in self._first:
+            parts, r = [], 0
+            for s in self.seqs:
+                n, c, pos = meta.query_lens[s], meta.context_lens[s], meta.positions_of(s)
+                if pos is None:
+                    parts.append((self.ctx[r:r + n] - window).clamp(min=0))
+                else:
+                    parts.append(torch.searchsorted(pos, pos[c - n:] - window, right=True))   # [n]
+                r += n
+            self._first[window] = torch.cat(parts)
+        return self._first[window]
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "KernelRows":
@@ -155,7 +208,7 @@ class KernelRows:
             r += n
         every = len(seqs) == len(meta.query_lens)
         return cls(None if every else torch.cat(tokens), slots, torch.cat(ctx).to(torch.int64), rest,
-                   torch.tensor(starts + [r], dtype=torch.int64), torch.tensor(shared, dtype=torch.int64))
+                   torch.tensor(starts + [r], dtype=torch.int64), torch.tensor(shared, dtype=torch.int64), seqs)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -183,7 +236,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             qr = q.flatten(1) if rows.tokens is None else q[rows.tokens].flatten(1)    # [R, H*D]
             od = kern.attn_decode(qr.contiguous(), k_cache, v_cache, rows.slots, rows.ctx,
                                   H, k_cache.shape[1], scale, window or 0, rows.groups, rows.shared,
-                                  fmt.kernel_id)
+                                  fmt.kernel_id, rows.first_keys(meta, window))
             if out is None:
                 return od
             out[rows.tokens] = od.view(-1, H, D)
@@ -209,7 +262,7 @@ def _prefill_seqs(out, q, k, v, k_cache, v_cache, meta, seqs, scale, window) -> 
         start, n, ctx = meta.query_starts[s], meta.query_lens[s], meta.context_lens[s]
         out[start:start + n] = _prefill_one(q[start:start + n], k[start:start + n], v[start:start + n],
                                             k_cache, v_cache, meta.kv_slots[s], ctx,
-                                            meta.tree_masks[s], scale, window)
+                                            meta.tree_masks[s], scale, window, meta.positions_of(s))
 
 
 def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -222,7 +275,8 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     rows = meta.kernel_rows()
     if not rows.rest:   # every token is a row: the kernel reads q straight from the qkv rows
         return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx, H, Hkv, scale, window or 0,
-                                rows.groups, rows.shared, format_of(k_cache, D).kernel_id)
+                                rows.groups, rows.shared, format_of(k_cache, D).kernel_id,
+                                rows.first_keys(meta, window))
     heads = qkv.view(qkv.shape[0], -1, D)
     return paged_attention(heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], k_cache, v_cache, meta,
                            scale, window, stored=True, kern=kern)
@@ -233,11 +287,16 @@ def _observe(meta: AttentionMetadata, q: torch.Tensor, window: int | None) -> No
         meta.observed.append((q[meta.observe_rows].float(), window))
 
 
-def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale, window):
-    # q: [n, H, D]; keys: the sequence's whole context [ctx, Hkv, D]
+def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale, window, kv_pos=None):
+    # q: [n, H, D]; keys: the sequence's whole context [ctx, Hkv, D], at positions kv_pos [ctx]
+    # (None: entry i at position i)
     n = q.shape[0]
     fmt = format_of(k_cache, q.shape[-1])
-    first = 0 if not window else max(0, ctx - n - window + 1)  # oldest key any query can see
+    if kv_pos is None:
+        kv_pos = torch.arange(ctx)
+        first = 0 if not window else max(0, ctx - n - window + 1)  # oldest key any query can see
+    else:   # the first entry within the window of the first query
+        first = 0 if not window else int(torch.searchsorted(kv_pos, kv_pos[ctx - n] - window, right=True))
     qh = q.transpose(0, 1).unsqueeze(0)                           # [1, H, n, D]
     if ctx == n and (not window or ctx <= window) and tree_mask is None:
         # keys as the cache holds them, so chunking never changes a result
@@ -248,10 +307,10 @@ def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale
     key_slots = slots[first:ctx]
     kh = fmt.decode(k_cache[key_slots]).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
     vh = fmt.decode(v_cache[key_slots]).transpose(0, 1).unsqueeze(0).to(q.dtype)
-    q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)                   # [n, 1]
+    q_pos = kv_pos[ctx - n:ctx].unsqueeze(1)                          # [n, 1]
     if tree_mask is not None:  # a tree node's position: the new tokens it sees, after the context
         q_pos = (ctx - n - 1 + tree_mask.sum(dim=1)).unsqueeze(1)
-    k_pos = torch.arange(first, ctx).unsqueeze(0)                     # [1, L]
+    k_pos = kv_pos[first:ctx].unsqueeze(0)                            # [1, L]
     mask = k_pos <= q_pos
     if window:
         mask &= k_pos > q_pos - window
