@@ -39,9 +39,12 @@ inline void hadamard(float* x, int64_t D) {
   }
 }
 
+// Each format also says whether the loops may read its rows in place (kInPlace, as Elem values
+// through V::load) or only through load().
 template <typename T>
 struct KvPlain {
-  static constexpr bool kRotated = false;
+  static constexpr bool kRotated = false, kInPlace = true;
+  using Elem = T;
   static bool fits(int64_t D) { return D % 16 == 0; }
   static int64_t row_bytes(int64_t D) { return D * (int64_t)sizeof(T); }
   template <class V>
@@ -55,7 +58,8 @@ struct KvPlain {
 };
 
 struct KvInt8 {
-  static constexpr bool kRotated = true;
+  static constexpr bool kRotated = true, kInPlace = false;
+  using Elem = float;
   static bool fits(int64_t D) { return D % 16 == 0; }
   static int64_t row_bytes(int64_t D) { return D + 2; }
   template <class V>
@@ -80,7 +84,8 @@ struct KvInt8 {
 };
 
 struct KvInt4 {
-  static constexpr bool kRotated = true;
+  static constexpr bool kRotated = true, kInPlace = false;
+  using Elem = float;
   static bool fits(int64_t D) { return D % 32 == 0; }
   static int64_t row_bytes(int64_t D) { return D / 2 + D / 16; }
   template <class V>
