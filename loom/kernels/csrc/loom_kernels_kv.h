@@ -13,7 +13,8 @@
 //
 // Each format: row_bytes(D); load<V>(row, D, dst) -> D floats (the attention loops read 16 keys
 // at a time through it, never a dequantized copy of the context); store(row, src, D) from
-// floats (scalar: once per new token, the same arithmetic as loom/model/kv_dtypes).
+// floats (scalar: once per new token, the same arithmetic as loom/model/kv_dtypes); kInPlace
+// and Elem: whether the loops may also read a row in place, as D Elem values through V::load.
 #pragma once
 
 #include "loom_kernels_simd.h"
@@ -39,8 +40,6 @@ inline void hadamard(float* x, int64_t D) {
   }
 }
 
-// Each format also says whether the loops may read its rows in place (kInPlace, as Elem values
-// through V::load) or only through load().
 template <typename T>
 struct KvPlain {
   static constexpr bool kRotated = false, kInPlace = true;

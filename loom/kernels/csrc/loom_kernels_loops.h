@@ -209,7 +209,8 @@ void store_row(C* dst, const float* src, int64_t n) {
 // the rows of group g agree on their first shared[g] slots, whose keys and values are
 // converted to float once per (group, kv head, part) and used by every query head of every
 // row in the group; each row's keys past the shared part (its own draft nodes) are handled
-// one by one. Cache rows are read through their format C (loom_kernels_kv.h), KB at a time.
+// per row. Cache rows are read through their format C (loom_kernels_kv.h), KB at a time; a plain
+// format's value rows in place (float16 converted in the register tile that uses them).
 //
 // Split across keys (flash-decoding): a row's keys are cut at fixed positions into parts of
 // SPLIT keys, [0, SPLIT), [SPLIT, 2 SPLIT), ...; a work item is one (group, part, kv head), so
