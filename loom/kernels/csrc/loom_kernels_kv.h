@@ -13,7 +13,8 @@
 //
 // Each format: row_bytes(D); load<V>(row, D, dst) -> D floats (the attention loops read 16 keys
 // at a time through it, never a dequantized copy of the context); store(row, src, D) from
-// floats (scalar: once per new token, the same arithmetic as loom/model/kv_dtypes).
+// floats (scalar: once per new token, the same arithmetic as loom/model/kv_dtypes); kInPlace
+// and Elem: whether the loops may also read a row in place, as D Elem values through V::load.
 #pragma once
 
 #include "loom_kernels_simd.h"
@@ -41,7 +42,8 @@ inline void hadamard(float* x, int64_t D) {
 
 template <typename T>
 struct KvPlain {
-  static constexpr bool kRotated = false;
+  static constexpr bool kRotated = false, kInPlace = true;
+  using Elem = T;
   static bool fits(int64_t D) { return D % 16 == 0; }
   static int64_t row_bytes(int64_t D) { return D * (int64_t)sizeof(T); }
   template <class V>
@@ -55,7 +57,8 @@ struct KvPlain {
 };
 
 struct KvInt8 {
-  static constexpr bool kRotated = true;
+  static constexpr bool kRotated = true, kInPlace = false;
+  using Elem = float;
   static bool fits(int64_t D) { return D % 16 == 0; }
   static int64_t row_bytes(int64_t D) { return D + 2; }
   template <class V>
@@ -80,7 +83,8 @@ struct KvInt8 {
 };
 
 struct KvInt4 {
-  static constexpr bool kRotated = true;
+  static constexpr bool kRotated = true, kInPlace = false;
+  using Elem = float;
   static bool fits(int64_t D) { return D % 32 == 0; }
   static int64_t row_bytes(int64_t D) { return D / 2 + D / 16; }
   template <class V>

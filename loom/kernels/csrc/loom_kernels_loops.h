@@ -211,7 +211,8 @@ void store_row(C* dst, const float* src, int64_t n) {
 // the rows of group g agree on their first shared[g] slots, whose keys and values are
 // converted to float once per (group, kv head, part) and used by every query head of every
 // row in the group; each row's keys past the shared part (its own draft nodes) are handled
-// one by one. Cache rows are read through their format C (loom_kernels_kv.h), KB at a time.
+// per row. Cache rows are read through their format C (loom_kernels_kv.h), KB at a time; a plain
+// format's value rows in place (float16 converted in the register tile that uses them).
 //
 // Split across keys (flash-decoding): a row's keys are cut at fixed positions into parts of
 // SPLIT keys, [0, SPLIT), [SPLIT, 2 SPLIT), ...; a work item is one (group, part, kv head), so
@@ -296,7 +297,8 @@ void plan_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnIt
   it.k1 = std::min(k0 + SPLIT, maxL);
   it.n = it.k1 - it.lo;
   it.shared_slots = a.slots + it.r0 * a.lds + it.lo;
-  it.mem.resize(KB * D + it.m * (it.n + D) + 64);
+  const size_t floats = KB * D + it.m * (it.n + D) + 64;
+  if (it.mem.size() < floats) it.mem.resize(floats);   // grows only: no zeroing of a reused buffer per item
   it.kv = (float*)(((uintptr_t)it.mem.data() + 63) & ~(uintptr_t)63);
   it.scores = it.kv + KB * D + 16;   // one line apart: its stores do not 4K-alias the kv rows' loads
   it.qrot = it.scores + it.m * it.n;
@@ -406,82 +408,129 @@ void softmax_part(float* p, int64_t n, int a0, int a1, float* ml) {
   ml[1] = V::hsum(sum);
 }
 
-// out[t][W j0 .. W (j0 + NJ)) += sum_r w[t][r] * buf[r][same columns] for QT queries (weights
-// p + t * stride), mm value rows of D floats
-template <class V, int NJ, int QT>
-LOOM_INLINE void pv_tile(float* const* out, const float* p, int64_t stride, const float* buf, int64_t D, int64_t j0,
-                    int64_t mm) {
+// out[t][W j0 .. W (j0 + NJ)) += sum_r w[t][r] * rows[r][same columns] for QT queries (weights
+// p + t * stride), mm value rows (float32, or float16 read in place)
+template <class V, int NJ, int QT, typename T>
+LOOM_INLINE void pv_tile(float* const* out, const float* p, int64_t stride, const T* const* rows, int64_t j0,
+                         int64_t mm) {
   typename V::F acc[QT][NJ];
   for (int t = 0; t < QT; ++t)
     for (int j = 0; j < NJ; ++j) acc[t][j] = V::load(out[t] + V::W * (j0 + j));
   for (int64_t r = 0; r < mm; ++r) {
-    const float* vr = buf + r * D + V::W * j0;
+    const T* vr = rows[r] + V::W * j0;
+    typename V::F v[NJ];
+    for (int j = 0; j < NJ; ++j) v[j] = V::load(vr + V::W * j);
     for (int t = 0; t < QT; ++t) {
       const typename V::F w = V::set1(p[t * stride + r]);
-      for (int j = 0; j < NJ; ++j) acc[t][j] = V::fma(w, V::load(vr + V::W * j), acc[t][j]);
+      for (int j = 0; j < NJ; ++j) acc[t][j] = V::fma(w, v[j], acc[t][j]);
     }
   }
   for (int t = 0; t < QT; ++t)
     for (int j = 0; j < NJ; ++j) V::store(out[t] + V::W * (j0 + j), acc[t][j]);
 }
 
+// Value tiles: up to PV_QT queries (a decode row's query heads: 3 for SmolLM2, 4 for Gemma 3)
+// x NJ vectors of the row, at most V::PV_ACC accumulators, so each value vector is loaded (and
+// converted from float16) once for all of them. Every output element is still one sequential
+// FMA chain over the keys in key order: the tiling changes which loads are shared, not a sum.
+constexpr int PV_QT = 4;
+
+template <class V, int NV, int QT>
+constexpr int pv_nj() {
+  int nj = NV;
+  while (nj > 1 && QT * nj > V::PV_ACC) nj /= 2;
+  return nj;
+}
+
+// the tiles of QT queries (out, weights p) across the NV vectors of the rows
+template <class V, int NV, int QT, typename T>
+LOOM_INLINE void pv_tiles(float* const* out, const float* p, int64_t stride, const T* const* rows, int64_t mm) {
+  constexpr int NJ = pv_nj<V, NV, QT>();
+  static_assert(NV % NJ == 0, "fixed head sizes are whole value tiles");
+  for (int64_t j0 = 0; j0 < NV; j0 += NJ) pv_tile<V, NJ, QT>(out, p, stride, rows, j0, mm);
+}
+
+// the tiles for q = 1 .. PV_QT queries
+template <class V, int NV, typename T, int QT = PV_QT>
+inline void pv_queries(int64_t q, float* const* out, const float* p, int64_t stride, const T* const* rows, int64_t mm) {
+  if constexpr (QT > 1)
+    if (q < QT) return pv_queries<V, NV, T, QT - 1>(q, out, p, stride, rows, mm);
+  pv_tiles<V, NV, QT>(out, p, stride, rows, mm);
+}
+
 // whether any of the queries i0 .. i0 + n - 1 has keys at or past key t
 template <class C>
 inline bool reaches(const PagedAttn<C>& a, const AttnItem& it, int64_t i0, int64_t n, int64_t t) {
   const int64_t G = a.H / a.Hkv;
-  for (int64_t i = i0; i < i0 + n; ++i)
-    if (a.ctx[it.r0 + i / G] > t) return true;
+  for (int64_t r = i0 / G; r <= (i0 + n - 1) / G; ++r)
+    if (a.ctx[it.r0 + r] > t) return true;
   return false;
 }
 
-// PV, shared keys of the part, KB at a time, into every query's o; fixed head sizes in register
-// tiles of QT queries x NJ vectors (V::PV_ACC accumulators)
+// the value rows of the mm keys at slots[0 .. mm) of kv head it.kh: a plain format's rows in
+// place, a quantized format's converted into it.kv
 template <class V, int NV, class C>
-void shared_values(const PagedAttn<C>& a, AttnItem& it) {
-  const int64_t D = head_dim<V, NV>(a), stride = it.n, Ls = std::min(it.k1, it.P) - it.lo;
-  for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
-    const int64_t mm = std::min<int64_t>(KB, Ls - l0);
-    shared_to_float<V, NV>(a, it, a.vc, l0, mm, it.kv);
-    const float* p0 = it.scores + l0;
-    if constexpr (NV > 0) {
-      constexpr int NJ = std::min(NV, V::PV_NJ), QT = V::PV_ACC / NJ;
-      static_assert(NV % NJ == 0, "fixed head sizes are whole value tiles");
-      int64_t i0 = 0;
-      for (; i0 + QT <= it.m; i0 += QT)
-        if (reaches(a, it, i0, QT, it.lo + l0))   // all-zero weights would add nothing
-          for (int64_t j0 = 0; j0 < NV; j0 += NJ)
-            pv_tile<V, NJ, QT>(it.out.data() + i0, p0 + i0 * stride, stride, it.kv, D, j0, mm);
-      for (; i0 < it.m; ++i0)
-        if (reaches(a, it, i0, 1, it.lo + l0))
-          for (int64_t j0 = 0; j0 < NV; j0 += NJ)
-            pv_tile<V, NJ, 1>(it.out.data() + i0, p0 + i0 * stride, stride, it.kv, D, j0, mm);
+inline void value_rows(const PagedAttn<C>& a, AttnItem& it, const int64_t* slots, int64_t mm,
+                       const typename C::Elem** rows) {
+  const int64_t D = head_dim<V, NV>(a);
+  for (int64_t r = 0; r < mm; ++r) {
+    const uint8_t* src = a.row(a.vc, slots[r], it.kh);
+    if constexpr (C::kInPlace) {
+      rows[r] = (const typename C::Elem*)src;
     } else {
-      for (int64_t i = 0; i < it.m; ++i) {
-        if (!reaches(a, it, i, 1, it.lo + l0)) continue;
-        float* oh = it.out[i];
-        for (int64_t r = 0; r < mm; ++r) {
-          const typename V::F w = V::set1(p0[i * stride + r]);
-          for (int64_t j = 0; j < D; j += V::W)
-            V::store(oh + j, V::fma(w, V::load(it.kv + r * D + j), V::load(oh + j)));
-        }
+      C::template load<V>(src, D, it.kv + r * D);
+      rows[r] = it.kv + r * D;
+    }
+  }
+}
+
+// PV of q queries from i0 over mm value rows, weights p (query i0's, then every stride): fixed
+// head sizes in value tiles, other sizes one query and vector at a time
+template <class V, int NV, typename T>
+inline void pv_block(AttnItem& it, int64_t i0, int64_t q, const float* p, int64_t stride, const T* const* rows,
+                     int64_t mm, int64_t D) {
+  if constexpr (NV > 0) {
+    pv_queries<V, NV>(q, it.out.data() + i0, p, stride, rows, mm);
+  } else {
+    for (int64_t t = 0; t < q; ++t) {
+      float* oh = it.out[i0 + t];
+      for (int64_t r = 0; r < mm; ++r) {
+        const typename V::F w = V::set1(p[t * stride + r]);
+        for (int64_t j = 0; j < D; j += V::W) V::store(oh + j, V::fma(w, V::load(rows[r] + j), V::load(oh + j)));
       }
     }
   }
 }
 
-// PV, each row's own keys in the part, one value row at a time for the row's query heads
+// PV, shared keys of the part, KB at a time, into every query's o
+template <class V, int NV, class C>
+void shared_values(const PagedAttn<C>& a, AttnItem& it) {
+  const int64_t D = head_dim<V, NV>(a), stride = it.n, Ls = std::min(it.k1, it.P) - it.lo;
+  const typename C::Elem* rows[KB];
+  for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
+    const int64_t mm = std::min<int64_t>(KB, Ls - l0);
+    value_rows<V, NV>(a, it, it.shared_slots + l0, mm, rows);
+    for (int64_t i0 = 0; i0 < it.m; i0 += PV_QT) {
+      const int64_t q = std::min<int64_t>(PV_QT, it.m - i0);
+      if (reaches(a, it, i0, q, it.lo + l0))   // all-zero weights would add nothing
+        pv_block<V, NV>(it, i0, q, it.scores + i0 * stride + l0, stride, rows, mm, D);
+    }
+  }
+}
+
+// PV, each row's own keys in the part, KB at a time, for the row's query heads
 template <class V, int NV, class C>
 void tail_values(const PagedAttn<C>& a, AttnItem& it) {
   const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
+  const typename C::Elem* rows[KB];
   for (int64_t r = 0; r < it.nr; ++r) {
     const int64_t row = it.r0 + r, L = std::min(a.ctx[row], it.k1);
-    for (int64_t t = std::max({it.P, it.first[r], it.lo}); t < L; ++t) {
-      C::template load<V>(a.row(a.vc, a.slots[row * a.lds + t], it.kh), D, it.kv);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = r * G + g;
-        float* oh = it.out[i];
-        const typename V::F w = V::set1(it.scores[i * it.n + t - it.lo]);
-        for (int64_t j = 0; j < D; j += V::W) V::store(oh + j, V::fma(w, V::load(it.kv + j), V::load(oh + j)));
+    for (int64_t t0 = std::max({it.P, it.first[r], it.lo}); t0 < L; t0 += KB) {
+      const int64_t mm = std::min<int64_t>(KB, L - t0);
+      value_rows<V, NV>(a, it, a.slots + row * a.lds + t0, mm, rows);
+      for (int64_t g0 = 0; g0 < G; g0 += PV_QT) {
+        const int64_t i0 = r * G + g0;
+        pv_block<V, NV>(it, i0, std::min<int64_t>(PV_QT, G - g0), it.scores + i0 * it.n + t0 - it.lo, it.n, rows, mm, D);
       }
     }
   }

@@ -4,7 +4,7 @@
 // that is not a renaming: the integer dot products of the quantized GEMM (`dots`).
 //
 //   W              float lanes per vector (16 or 8)
-//   MT_MAX, PV_*   register tile sizes for 32 or 16 vector registers
+//   MT_MAX, PV_ACC register tile sizes for 32 or 16 vector registers
 //   F, I, Mask     float vector, integer vector, lane mask
 //   load / store   16 or 8 floats from/to float32 or float16 storage
 //   load_n/store_n the first n lanes only (n < W only at the end of a row)
@@ -58,7 +58,7 @@ struct Vec512 {
   using I = __m512i;
   using Mask = __mmask16;
   static constexpr int MT_MAX = 8;                  // activation rows per GEMM register tile
-  static constexpr int PV_NJ = 16, PV_ACC = 16;     // value tiles: up to 16 vectors of a row, 16 accumulators
+  static constexpr int PV_ACC = 16;                 // accumulators of a value tile (attention's PV)
 
   LOOM_FLOAT_OPS(_mm512)
   static F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -118,7 +118,7 @@ struct Vec256 {
   using I = __m256i;
   using Mask = __m256;   // all-ones lanes
   static constexpr int MT_MAX = 4;
-  static constexpr int PV_NJ = 4, PV_ACC = 8;
+  static constexpr int PV_ACC = 8;
 
   LOOM_FLOAT_OPS(_mm256)
   static F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
