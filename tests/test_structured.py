@@ -191,6 +191,28 @@ def test_tree_masks_follow_each_path_and_leave_the_matcher_where_it_was(make_tin
     assert matcher.accept(a) and not matcher.accept(x)   # the position did not move
 
 
+class _NothingAllowed:
+    """A matcher at a position its grammar cannot leave in this vocabulary: an empty mask."""
+
+    def fill_mask(self, mask, row):
+        mask[row] = 0
+
+
+def test_mask_rows_masks_only_constrained_rows_and_names_those_that_admit_nothing(make_tiny):
+    engine = make_tiny()
+    tok, so = engine.tokenizer, engine.structured
+    a = tok.encode("a", add_special_tokens=False)[0]
+    matcher = so.matcher(StructuredOutputsParams(regex="a+"))
+    logits = torch.zeros(3, engine.model.cfg.vocab_size)
+    stuck = so.mask_rows(logits, [None, matcher, _NothingAllowed()])
+    assert stuck == [2]
+    assert not torch.isneginf(logits[0]).any()                          # unconstrained: untouched
+    allowed = set(torch.nonzero(~torch.isneginf(logits[1])).flatten().tolist())
+    assert a in allowed and len(allowed) < logits.shape[1]
+    assert torch.isneginf(logits[2]).all()
+    assert so.mask_rows(logits, [None, None, None]) == []
+
+
 # -- a real model: JSON that validates ---------------------------------------------------------------
 
 

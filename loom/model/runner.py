@@ -211,12 +211,9 @@ class ModelRunner:
         """Masks the rows of requests with a grammar; returns the ids of those whose grammar admits
         no token at all (it needs a character no token of this vocabulary spells)."""
         matchers = [st.matcher for st in states]
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
+        if all(m is None for m in matchers):
             return set()
-        self.structured.mask_rows(logits, matchers)
-        stuck = torch.isneginf(logits[rows]).all(dim=1).tolist()
-        return {req_ids[i] for i, s in zip(rows, stuck) if s}
+        return {req_ids[i] for i in self.structured.mask_rows(logits, matchers)}
 
     def _constrain_tree(self, req_id: str, tree: DraftTree, logits: torch.Tensor) -> list[bool] | None:
         """Masks the verification rows [1 + len(tree), V] of a constrained request's draft by its

@@ -55,20 +55,24 @@ class StructuredOutputs:
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         return self.backend.matcher(self.compile(spec))
 
-    def mask_rows(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
-        """Masks row i of `logits` [R, V] by matchers[i] (None: unconstrained), in place."""
+    def mask_rows(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> list[int]:
+        """Masks row i of `logits` [R, V] by matchers[i] (None: unconstrained), in place. Returns
+        the rows whose grammar admits no token at all (read from the bitmask, [R, V / 32] words,
+        not from the masked logits: 32 times less to scan)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return
+            return []
         mask = self.backend.allocate_mask(len(rows))
         for j, i in enumerate(rows):
             matchers[i].fill_mask(mask, j)
+        empty = (~mask.any(dim=1)).tolist()
         if len(rows) == logits.shape[0]:
             self.backend.apply_mask(logits, mask)
-            return
-        sub = logits[rows]
-        self.backend.apply_mask(sub, mask)
-        logits[rows] = sub
+        else:
+            sub = logits[rows]
+            self.backend.apply_mask(sub, mask)
+            logits[rows] = sub
+        return [i for i, e in zip(rows, empty) if e]
 
     def mask_tree(self, logits: torch.Tensor, matcher: GrammarMatcher, tokens: tuple[int, ...],
                   parents: tuple[int, ...]) -> list[bool]:
