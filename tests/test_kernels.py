@@ -168,6 +168,30 @@ def test_qgemm_rows_do_not_depend_on_the_batch():
 
 
 @needs_kernels
+@pytest.mark.parametrize("vocab", [49152, 100])
+def test_apply_bitmask_forbids_exactly_the_clear_bits(vocab):
+    """The structured-output mask: words of zeros, of ones and mixed, a vocabulary that ends
+    inside a word; the same as unpacking the bits in torch."""
+    kern = kernels.load()
+    g = torch.Generator().manual_seed(5)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+    mask[0] = 0                                    # a grammar that admits nothing here
+    mask[1] = -1                                   # anything
+    mask[2, : words // 2] = 0                      # half the words closed
+    mask[3, ::3] = -1
+    logits = torch.randn(5, vocab, generator=g)
+    bits = ((mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()
+    want = logits.masked_fill(~bits, float("-inf"))
+    got = logits.clone()
+    kern.apply_bitmask(got, mask)
+    assert torch.equal(got, want)
+    assert torch.isneginf(got[0]).all() and torch.equal(got[1], logits[1])
+    with pytest.raises(RuntimeError, match="mask must be an int32"):
+        kern.apply_bitmask(logits, mask[:, :1].contiguous())
+
+
+@needs_kernels
 def test_qgemm_rejects_bad_shapes():
     lin = QuantLinear(LinearWeight(torch.randn(32, 64)))
     with pytest.raises(RuntimeError, match="wrong width"):

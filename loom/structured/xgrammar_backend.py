@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
+from loom import kernels
 from loom.sampling_params import StructuredOutputsParams
 from loom.structured.base import GrammarBackend, GrammarMatcher, VocabInfo, register
 
@@ -156,4 +157,11 @@ class XGrammarBackend(GrammarBackend):
         return self._xgr.allocate_token_bitmask(rows, self.vocab.vocab_size)
 
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab.vocab_size)
+        """loom's kernel where it can (float32 rows; a whole word of forbidden tokens is one
+        run of vector stores), else xgrammar's own; both give the same logits."""
+        kern = kernels.load()
+        if (kern is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+                and logits.shape[1] == self.vocab.vocab_size):
+            kern.apply_bitmask(logits, mask)
+        else:
+            self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab.vocab_size)

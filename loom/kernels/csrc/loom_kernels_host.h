@@ -171,6 +171,39 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
   return out;
 }
 
+// Structured output: logits [R, V] float32 rows, in place, -inf where bit v % 32 of word v / 32
+// of the row's bitmask [R, >= V / 32] int32 is clear (xgrammar's token bitmask). A word of
+// zeros (most of them where a grammar admits few tokens) is 32 vector-stored -infs, a word of
+// ones is skipped: the same result as xgrammar's element-by-element kernel, without its 1.5 M
+// branches per step for 32 rows of a 49k vocabulary.
+void apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
+  check_f32_rows(logits, "logits");
+  TORCH_CHECK(mask.scalar_type() == torch::kInt32 && mask.dim() == 2 && mask.stride(1) == 1 &&
+              mask.size(0) == logits.size(0) && mask.size(1) * 32 >= logits.size(1),
+              "mask must be an int32 [rows, >= V / 32] tensor");
+  const int64_t R = logits.size(0), V = logits.size(1), ldl = logits.stride(0), ldm = mask.stride(0);
+  float* lp = logits.data_ptr<float>();
+  const int32_t* mp = mask.data_ptr<int32_t>();
+  const auto neg = Isa::set1(-INFINITY);
+  at::parallel_for(0, R, R < 8 ? R : 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = lp + r * ldl;
+      const int32_t* words = mp + r * ldm;
+      for (int64_t w = 0; w * 32 < V; ++w) {
+        const uint32_t bits = (uint32_t)words[w];
+        const int64_t v0 = w * 32, n = std::min<int64_t>(32, V - v0);
+        if (bits == 0xFFFFFFFFu) continue;
+        if (bits == 0 && n == 32) {
+          for (int64_t j = 0; j < 32; j += Isa::W) Isa::store(row + v0 + j, neg);
+          continue;
+        }
+        for (int64_t j = 0; j < n; ++j)
+          if (!((bits >> j) & 1u)) row[v0 + j] = -INFINITY;
+      }
+    }
+  });
+}
+
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
   check_f32_rows(h, "h");
   check_f32_rows(y, "y");
@@ -192,4 +225,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
         py::arg("kv_format") = 0, py::arg("first") = py::none());
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
+  m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place");
 }
