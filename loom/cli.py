@@ -336,16 +336,14 @@ def serve(
                                  enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, seed=seed,
                                  kv_eviction=_json_option(kv_eviction, "--kv-eviction"),
                                  speculative_config=_speculative(speculative_config, spec_datastore))
+    front = dict(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                 max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
+                 access_log=access_log)
     if cluster is not None:
         from loom.cluster.launch import run_cluster
 
-        run_cluster(config, cluster, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                    max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
-                    access_log=access_log)
-        return
-    run_server(config, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-               max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
-               access_log=access_log, engine_process=engine_process)
+        return run_cluster(config, cluster, **front)
+    run_server(config, engine_process=engine_process, **front)
 
 
 def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router,
