@@ -192,6 +192,38 @@ def test_apply_bitmask_forbids_exactly_the_clear_bits(vocab):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_refine_top_computes_the_largest_logits_exactly(bits, fp16_scales):
+    """The output layer's refinement: the `cap` largest logits of each row within `margin` of its
+    maximum become the float32 product of the stored weights (to float32 rounding), every other
+    logit keeps the GEMM's value; a row's result does not depend on the batch."""
+    n, k = 1003, 192                                   # a last block of 11 rows
+    codes = _random_codes(n, k, bits, seed=11, fp16_scales=fp16_scales)
+    lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, k, generator=g)
+    x[3] *= 8.0                                        # a peaked row: few logits near the top
+    exact = x.double() @ codes.dequantize().double().T  # [6, n]
+    gemm = lin(x)
+    for margin, cap in [(8.0, 64), (0.5, 1000), (100.0, 5)]:
+        got = lin.refine_top(x, gemm.clone(), margin, cap)
+        for r in range(x.shape[0]):
+            near = (gemm[r] > gemm[r].max() - margin).nonzero().flatten()
+            order = sorted(near.tolist(), key=lambda t: (-gemm[r, t].item(), t))[:cap]
+            changed = torch.zeros(n, dtype=torch.bool)
+            changed[order] = True
+            assert torch.equal(got[r, ~changed], gemm[r, ~changed])
+            torch.testing.assert_close(got[r, changed].double(), exact[r, changed], rtol=1e-5, atol=1e-4)
+            assert (got[r, changed].double() - exact[r, changed]).abs().max() < \
+                (gemm[r, changed].double() - exact[r, changed]).abs().max() or len(order) == 0
+        part = lin.refine_top(x[2:4].contiguous(), gemm[2:4].clone(), margin, cap)
+        assert torch.equal(part, got[2:4])
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        lin.refine_top(x, gemm.clone(), -1.0, 4)
+
+
+@needs_kernels
 def test_qgemm_rejects_bad_shapes():
     lin = QuantLinear(LinearWeight(torch.randn(32, 64)))
     with pytest.raises(RuntimeError, match="wrong width"):

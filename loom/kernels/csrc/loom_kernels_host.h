@@ -204,6 +204,41 @@ void apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
   });
 }
 
+// The output layer's top logits again in float32 (refine_row, loom_kernels_loops.h): logits
+// [R, N] in place, x [R, K] the activations the GEMM was given, w the same packed matrix.
+void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits,
+                   bool scales16, double margin, int64_t cap) {
+  check_f32_rows(logits, "logits");
+  check_f32_rows(x, "x");
+  TORCH_CHECK(K % GROUP == 0 && x.size(1) == K && logits.size(1) == N && x.size(0) == logits.size(0),
+              "logits must be [R, N] and x [R, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(cap >= 0 && margin >= 0, "margin and cap must be >= 0");
+  const int64_t bb = scales16 ? (bits == 4 ? block_bytes<4, at::Half>() : block_bytes<8, at::Half>())
+                              : (bits == 4 ? block_bytes<4, float>() : block_bytes<8, float>());
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * bb,
+              "packed weights do not match N, K, bits");
+  const int64_t R = logits.size(0), ldl = logits.stride(0), ldx = x.stride(0);
+  float* lp = logits.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<std::pair<float, int32_t>> cand;
+    thread_local std::vector<float> xs;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = lp + r * ldl;
+      const float* xr = xp + r * ldx;
+      if (scales16) {
+        if (bits == 4) refine_row<Isa, 4, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+        else refine_row<Isa, 8, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+      } else {
+        if (bits == 4) refine_row<Isa, 4, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+        else refine_row<Isa, 8, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+      }
+    }
+  });
+}
+
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
   check_f32_rows(h, "h");
   check_f32_rows(y, "y");
@@ -224,6 +259,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("ctx"), py::arg("H"), py::arg("Hkv"),
         py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
         py::arg("kv_format") = 0, py::arg("first") = py::none());
+  m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place");
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place");
 }

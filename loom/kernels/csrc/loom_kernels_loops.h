@@ -25,6 +25,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "loom_kernels_kv.h"
@@ -201,6 +203,90 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
 template <class V, typename C>
 void store_row(C* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; i += V::W) V::store(dst + i, V::load(src + i));
+}
+
+// ---- the output layer's top logits in float32 ----------------------------------------------
+// The GEMM rounds each activation row to int8 per 32-group; on the output layer that rounding
+// moves every logit by a little, and the tokens near the top carry the probability. So after
+// the GEMM, the logits within `margin` of a row's maximum (at most `cap` of them, the largest)
+// are computed again from the same codes against the float32 activations: the exact product of
+// the stored weights, as the float32 mode computes it (up to summation order).
+
+// <row n of the packed matrix, x> in float32; xs[g] = sum of x over group g
+template <class V, int BITS, typename S>
+float exact_row_dot(const uint8_t* w, int64_t G, int64_t n, const float* x, const float* xs) {
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>();
+  const uint8_t* col = w + (n / ROWS) * G * BLOCK;
+  const int64_t ri = n % ROWS;
+  alignas(64) uint8_t q[GROUP];
+  typename V::F acc = V::zero();
+  float offset = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = col + g * BLOCK;
+    if constexpr (BITS == 4) {   // byte (c, row, j): code(8c + j) | code(8c + 4 + j) << 4
+      for (int c = 0; c < 4; ++c) {
+        uint32_t u;
+        std::memcpy(&u, wp + c * 64 + ri * 4, 4);
+        const uint32_t lo = u & 0x0F0F0F0Fu, hi = (u >> 4) & 0x0F0F0F0Fu;
+        std::memcpy(q + 8 * c, &lo, 4);
+        std::memcpy(q + 8 * c + 4, &hi, 4);
+      }
+    } else {                     // bytes (c, row, j) = code(4c + j)
+      for (int c = 0; c < 8; ++c) std::memcpy(q + 4 * c, wp + c * 64 + ri * 4, 4);
+    }
+    typename V::F dot = V::zero();
+    for (int j = 0; j < GROUP; j += V::W) dot = V::fma(V::load_u8(q + j), V::load(x + g * GROUP + j), dot);
+    const S* sc = (const S*)(wp + CODE_BYTES);
+    acc = V::fma(dot, V::set1((float)sc[ri]), acc);   // a * <q, x>
+    offset += (float)sc[ROWS + ri] * xs[g];           // b * sum(x)
+  }
+  return V::hsum(acc) + offset;
+}
+
+// one row of logits [N], in place
+template <class V, int BITS, typename S>
+void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
+                std::vector<std::pair<float, int32_t>>& cand, std::vector<float>& xs) {
+  const int64_t G = K / GROUP;
+  typename V::F m = V::set1(-INFINITY);
+  int64_t v = 0;
+  for (; v + V::W <= N; v += V::W) m = V::max(m, V::load(row + v));
+  float mx = V::hmax(m);
+  for (int64_t t = v; t < N; ++t) mx = std::max(mx, row[t]);
+  if (!std::isfinite(mx)) return;
+  if (cap == 0) return;
+  const auto larger = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);   // ties: the lower id
+  };
+  // candidates above the threshold; when more than 4 cap gather (a flat row), the cap largest
+  // so far are kept and the threshold rises to the smallest of them
+  float thr = mx - margin;
+  typename V::F tv = V::set1(thr);
+  cand.clear();
+  const auto keep_largest = [&]() {
+    std::nth_element(cand.begin(), cand.begin() + (cap - 1), cand.end(), larger);
+    cand.resize(cap);
+    thr = std::max(thr, cand[cap - 1].first);
+    tv = V::set1(thr);
+  };
+  for (v = 0; v + V::W <= N; v += V::W) {
+    for (uint32_t bits = V::gt_bits(V::load(row + v), tv); bits; bits &= bits - 1) {
+      const int64_t t = v + __builtin_ctz(bits);
+      cand.emplace_back(row[t], (int32_t)t);
+    }
+    if ((int64_t)cand.size() > 4 * cap) keep_largest();
+  }
+  for (int64_t t = v; t < N; ++t)
+    if (row[t] > thr) cand.emplace_back(row[t], (int32_t)t);
+  if ((int64_t)cand.size() > cap) keep_largest();
+  const int64_t n = std::min<int64_t>(cap, cand.size());
+  xs.resize(G);
+  for (int64_t g = 0; g < G; ++g) {
+    typename V::F s = V::zero();
+    for (int j = 0; j < GROUP; j += V::W) s = V::add(s, V::load(x + g * GROUP + j));
+    xs[g] = V::hsum(s);
+  }
+  for (int64_t i = 0; i < n; ++i) row[cand[i].second] = exact_row_dot<V, BITS, S>(w, G, cand[i].second, x, xs.data());
 }
 
 // ---- attention over the paged cache --------------------------------------------------------

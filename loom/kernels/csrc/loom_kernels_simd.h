@@ -13,6 +13,8 @@
 //   store_s8       GROUP scaled floats -> int8 (round to nearest even, saturate); returns
 //                  the sum of the int8 codes (the GEMM's offset term uses it)
 //   i8x16_to_f     16 int8 lanes of an SSE register -> 16 / W float vectors (quantized KV rows)
+//   load_u8        W uint8 -> W floats (the output layer's codes, recomputed exactly)
+//   gt_bits        bit l set where lane l of a > lane l of b
 #pragma once
 
 #include <torch/extension.h>
@@ -102,6 +104,8 @@ struct Vec512 {
   static F max_where(Mask m, F acc, F v) { return _mm512_mask_max_ps(acc, m, acc, v); }
   static F keep(Mask m, F v) { return _mm512_maskz_mov_ps(m, v); }   // v where m, else 0
   static void i8x16_to_f(__m128i x, F* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)); }
+  static F load_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  static uint32_t gt_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 
   static int32_t store_s8(int8_t* dst, const F* v) {
     const __m512i q0 = _mm512_cvtps_epi32(v[0]), q1 = _mm512_cvtps_epi32(v[1]);
@@ -173,6 +177,8 @@ struct Vec256 {
     out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
     out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
   }
+  static F load_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static uint32_t gt_bits(F a, F b) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 
   // 32 int8 codes in order (the per-lane packing undone); returns their sum
   static int32_t store_s8(int8_t* dst, const F* v) {

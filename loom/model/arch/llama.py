@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from loom.model.config import ModelConfig
 from loom.model.kv_dtypes import format_of
 from loom.model.layers.attention import AttentionMetadata, paged_attention, paged_attention_stored
-from loom.model.layers.linear import PRE_RMSNORM, PRE_SWIGLU, LinearBackend, fused_kernels, make_linear
+from loom.model.layers.linear import PRE_RMSNORM, PRE_SWIGLU, LinearBackend, fused_kernels, make_linear, output_logits
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.weights import GGUFWeights, LinearWeight
@@ -103,4 +103,4 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""
-        return self.lm_head(hidden).float()
+        return output_logits(self.lm_head, hidden)

@@ -105,6 +105,13 @@ class QuantLinear:
         p = self.p
         return self.kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, pre, norm, eps, out, accumulate)
 
+    def refine_top(self, x: torch.Tensor, y: torch.Tensor, margin: float, cap: int) -> torch.Tensor:
+        """y = self(x) [M, out]: the entries within `margin` of each row's maximum (the `cap`
+        largest) computed again in float32 from the same codes, in place (the output layer's)."""
+        p = self.p
+        self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, margin, cap)
+        return y
+
 
 class AdaptiveLinear:
     """Fallback of `auto`: torch's weight-only kernels for small M (bandwidth-bound), a dense GEMM above."""
@@ -117,6 +124,21 @@ class AdaptiveLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.small(x) if x.shape[0] <= self.max_small_m else self.large(x)
+
+
+# The output layer's top logits in float32 (QuantLinear.refine_top): those within this many nats
+# of a row's maximum, at most this many of them. The int8 rounding of the activations is the
+# largest error the default mode adds to the output layer (docs/benchmarks.md, "Fidelity").
+TOP_LOGITS_MARGIN, TOP_LOGITS_CAP = 8.0, 64
+
+
+def output_logits(head: LinearBackend, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [N, D] -> float32 logits [N, V]; on loom's kernels the rows' top logits are
+    computed again in float32 (an exact product of the stored weights)."""
+    logits = head(hidden).float()
+    if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32 and logits.shape[0]:
+        head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
+    return logits
 
 
 LINEAR_MODES: dict[str, Callable[[LinearWeight], LinearBackend]] = {
