@@ -231,6 +231,38 @@ def test_load_rates_counts_and_arrivals() -> None:
         LoadSettings(url="http://x", num_requests=4, duration=10)
 
 
+def test_load_max_concurrency_holds_that_many_requests_in_flight(monkeypatch) -> None:
+    """--max-concurrency: never more than N requests in flight; a waiting request's clock starts
+    when it is sent, so its TTFT is the server's, not the queue's."""
+    import asyncio
+    import math
+    import random
+
+    from loom.bench import load
+
+    busy, peak = 0, 0
+
+    async def fake_send(client, settings, payload, record, clock):
+        nonlocal busy, peak
+        busy += 1
+        peak = max(peak, busy)
+        await asyncio.sleep(0.02)
+        record.first_token = clock()
+        record.end, record.status, record.output_tokens = clock(), 200, 1
+        busy -= 1
+
+    monkeypatch.setattr(load, "_send", fake_send)
+    settings = load.LoadSettings(url="http://x", rates=(math.inf,), num_requests=10, max_concurrency=3)
+    records = asyncio.run(load.run_rate(None, settings, "m", ["p"], math.inf, 10, random.Random(0)))
+    assert peak == 3 and len(records) == 10
+    ends = sorted(r.end for r in records)
+    later = sorted(records, key=lambda r: r.sent)[3:]                      # sent once a slot was free:
+    assert all(any(e <= r.sent for e in ends) for r in later)              # after an earlier answer ended
+    assert settings.to_json()["max_concurrency"] == 3
+    with pytest.raises(BenchError, match="--max-concurrency must be >= 1"):
+        load.LoadSettings(url="http://x", num_requests=4, max_concurrency=0)
+
+
 def test_load_summary_and_saturation_from_hand_made_records() -> None:
     from loom.bench.load import RequestRecord, saturation, summarize
 

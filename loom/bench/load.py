@@ -86,6 +86,10 @@ class LoadSettings:
     seconds (the ``max`` point then takes the largest count of the ladder).
     max_tokens: the ``max_tokens`` of every request; temperature 0 unless told.
     prompt_chars: prompts are cut to this many characters (about 4 per token).
+    max_concurrency: at most this many requests in flight (vLLM's benchmark_serving
+        --max-concurrency): a request that arrives while they are busy waits, and its times
+        count from when it is sent; with rate ``max`` and more requests than this, a closed
+        loop that holds the server at this many streams.
     """
 
     url: str
@@ -99,8 +103,11 @@ class LoadSettings:
     model: str | None = None
     api_key: str | None = None
     prompts_path: Path = SPEC_BENCH_PATH
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise BenchError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if (self.num_requests is None) == (self.duration is None):
             raise BenchError("give either a request count per rate or a duration per rate, not both")
         if self.num_requests is not None and self.num_requests < 1:
@@ -128,7 +135,8 @@ class LoadSettings:
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
                 "duration": self.duration, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path)}
+                "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path),
+                "max_concurrency": self.max_concurrency}
 
 
 @dataclass
@@ -207,17 +215,21 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
 
 async def run_rate(client: Any, settings: LoadSettings, model: str, prompts: list[str], rate: float, count: int,
                    rng: random.Random, on_done: Callable[[], None] = lambda: None) -> list[RequestRecord]:
-    """Sends `count` requests (`prompts` in turn) at Poisson arrivals of `rate` and waits for every answer."""
+    """Sends `count` requests (`prompts` in turn) at Poisson arrivals of `rate`, at most
+    `settings.max_concurrency` at a time, and waits for every answer."""
     offsets = arrival_times(rate, count, rng)
     start = time.perf_counter()
 
     def clock() -> float:
         return time.perf_counter() - start
 
+    slots = asyncio.Semaphore(settings.max_concurrency or count)
+
     async def one(i: int, offset: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, offset - clock()))
-        record = RequestRecord(sent=clock())
-        await _send(client, settings, _payload(settings, model, prompts[i % len(prompts)]), record, clock)
+        async with slots:
+            record = RequestRecord(sent=clock())
+            await _send(client, settings, _payload(settings, model, prompts[i % len(prompts)]), record, clock)
         on_done()
         return record
 

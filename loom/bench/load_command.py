@@ -31,7 +31,7 @@ COLUMNS = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNC
 
 def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: Sequence[int] | None,
                duration: float | None, max_tokens: int | None, quick: bool,
-               prompts: Path | None) -> list[LoadSettings]:
+               prompts: Path | None, max_concurrency: int | None = None) -> list[LoadSettings]:
     """One `LoadSettings` per request count (one for --duration)."""
     counts: Sequence[int | None] = ((None,) if duration is not None else
                                     num_requests or ((QUICK_REQUESTS if quick else DEFAULT_REQUESTS),))
@@ -39,7 +39,7 @@ def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: 
                          rates=parse_rates(rates) if rates is not None else (QUICK_RATES if quick else DEFAULT_RATES),
                          num_requests=n, duration=duration,
                          max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
-                         prompts_path=prompts or SPEC_BENCH_PATH)
+                         prompts_path=prompts or SPEC_BENCH_PATH, max_concurrency=max_concurrency)
             for n in counts]
 
 
@@ -61,11 +61,12 @@ def _write_json(report: dict, json_path: Path | None, out: Console) -> None:
 def run_load_command(url: str, *, model: str | None, rates: str | None, num_requests: Sequence[int] | None,
                      duration: float | None, max_tokens: int | None, quick: bool, prompts: Path | None,
                      json_path: Path | None, plot: Path | None, out: Console, err: Console,
-                     peers: str | None = None, rounds: int = 1, threads: int | None = None) -> None:
+                     peers: str | None = None, rounds: int = 1, threads: int | None = None,
+                     max_concurrency: int | None = None) -> None:
     if num_requests is not None and (not num_requests or min(num_requests) < 1):
         raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
     plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
-                       max_tokens=max_tokens, quick=quick, prompts=prompts)
+                       max_tokens=max_tokens, quick=quick, prompts=prompts, max_concurrency=max_concurrency)
     if url != "start" and not peers and len(plans) == 1:
         with Progress(*COLUMNS, console=err, transient=True) as progress:
             report = run_load(plans[0], progress)

@@ -64,6 +64,8 @@ def notes(report: dict[str, Any]) -> list[str]:
     s, sat = report["settings"], report["saturation"]
     per_rate = (f"{s['num_requests']} requests per rate" if s["num_requests"] is not None
                 else f"rate × {s['duration']:g} s requests per rate")
+    if s.get("max_concurrency"):
+        per_rate += f", at most {s['max_concurrency']} in flight"
     baseline = f"{sat['baseline_e2e_ms']:,.0f} ms" if sat["baseline_e2e_ms"] is not None else "—"
     lines = [f"server {report['server']}, model {report['model']}; {per_rate}, Poisson arrivals "
              f"(max: all at once); streaming chat completions, max_tokens {s['max_tokens']}, "
@@ -111,6 +113,8 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     per_rate = (f"--num-requests {s['num_requests']}" if s["num_requests"] is not None
                 else f"--duration {s['duration']:g}")
+    if s.get("max_concurrency"):
+        per_rate += f" --max-concurrency {s['max_concurrency']}"
     header = ["rate req/s", *(f"{h} {u}".strip() for h, u, _ in COLUMNS)]
     lines = [f"## Load test: {report['model']}, {report['created'][:10]}", "",
              "Command (server started separately):", "", "```bash",
