@@ -224,6 +224,32 @@ def test_refine_top_computes_the_largest_logits_exactly(bits, fp16_scales):
 
 
 @needs_kernels
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_topk_indices_are_torch_topk(vocab):
+    """The kernel's top-k (drafters' observations): torch.topk's indices in its order on rows
+    without ties, flat and peaked rows, k up to 64; of equal values the lower index first; -inf
+    and NaN entries only after every other."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[1] *= 30.0                                   # peaked
+    logits[2] = torch.arange(vocab, dtype=torch.float32) / vocab    # rising: every step beats the last
+    logits[3] = -torch.arange(vocab, dtype=torch.float32)           # falling
+    for k in (1, 8, 37, 64):
+        k = min(k, vocab)
+        got = kernels.topk_indices(logits, k)
+        assert got.dtype == torch.int64 and got.shape == (6, k)
+        assert torch.equal(got, logits.topk(k, dim=1).indices)
+        assert torch.equal(kernels.topk_indices(logits[2:5], k), got[2:5])
+    ties = torch.zeros(1, vocab)
+    ties[0, 5] = 1.0
+    assert kernels.topk_indices(ties, 4).tolist() == [[5, 0, 1, 2]]
+    masked = torch.full((1, vocab), float("-inf"))
+    masked[0, [3, 9]] = torch.tensor([0.5, 2.0])
+    masked[0, 0] = float("nan")
+    assert kernels.topk_indices(masked, 4).tolist() == [[9, 3, 0, 1]]
+
+
+@needs_kernels
 def test_qgemm_rejects_bad_shapes():
     lin = QuantLinear(LinearWeight(torch.randn(32, 64)))
     with pytest.raises(RuntimeError, match="wrong width"):

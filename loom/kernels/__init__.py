@@ -166,3 +166,13 @@ def available() -> bool:
 def variant() -> str | None:
     """Which variant the loaded module is ("avx512" or "avx2"), None without one."""
     return _variant if load() is not None else None
+
+
+def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [R, k]: the indices of each row's k largest logits, largest first, as
+    `logits.topk(k).indices` (ties: the lower index). loom's kernel where it runs: one vector
+    compare per logit instead of torch's sort of the candidates (~10x less on a 49k row)."""
+    kern = load()
+    if kern is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1:
+        return kern.topk_rows(logits, k)
+    return logits.topk(k, dim=-1).indices

@@ -34,6 +34,7 @@ import torch
 
 from loom.config import SpeculativeConfig
 from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost
+from loom.kernels import topk_indices
 from loom.sample.sampler import argmax_rows
 from loom.speculative.calibration import Grid, calibrated, measure
 from loom.speculative.controller import SpecController
@@ -117,12 +118,12 @@ class SpecDecoder:
             if len(plain) == len(seqs) and len(seqs) > OBSERVE_PLAIN_BATCH:
                 self._turn += OBSERVE_PLAIN_BATCH
                 observed = [(self._turn + j) % len(seqs) for j in range(OBSERVE_PLAIN_BATCH)]
-                rows = logits[observed].topk(self.drafter.observe_topk, dim=1).indices.tolist()
+                rows = topk_indices(logits[observed], self.drafter.observe_topk).tolist()
                 topk = [None] * len(seqs)    # all plain: row i is sequence i's only row
                 for i, r in zip(observed, rows):
                     topk[i] = r
             else:
-                topk = logits.topk(self.drafter.observe_topk, dim=1).indices.tolist()
+                topk = topk_indices(logits, self.drafter.observe_topk).tolist()
         index = {s.req_id: i for i, s in enumerate(out.seqs)}
         t_verify, n_verify = time.perf_counter(), 0
         for i, s in enumerate(seqs):

@@ -223,7 +223,7 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<std::pair<float, int32_t>> cand;
+    thread_local std::vector<Scored> cand;
     thread_local std::vector<float> xs;
     for (int64_t r = r0; r < r1; ++r) {
       float* row = lp + r * ldl;
@@ -237,6 +237,22 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
       }
     }
   });
+}
+
+// indices [R, k] int64 of each row's k largest logits, largest first (ties: the lower index):
+// torch.topk's indices, without its sort of every candidate
+torch::Tensor topk_rows(torch::Tensor logits, int64_t k) {
+  check_f32_rows(logits, "logits");
+  const int64_t R = logits.size(0), N = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(k >= 0 && k <= N, "k must be in [0, ", N, "]");
+  torch::Tensor out = torch::empty({R, k}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<Scored> cand;
+    for (int64_t r = r0; r < r1; ++r) topk_row<Isa>(lp + r * ld, N, k, op + r * k, cand);
+  });
+  return out;
 }
 
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
@@ -260,6 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
         py::arg("kv_format") = 0, py::arg("first") = py::none());
   m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place");
+  m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place");
 }

@@ -243,10 +243,42 @@ float exact_row_dot(const uint8_t* w, int64_t G, int64_t n, const float* x, cons
   return V::hsum(acc) + offset;
 }
 
+using Scored = std::pair<float, int32_t>;   // (value, index)
+
+// a before b: the larger value; of equal values, the lower index
+inline bool larger(const Scored& a, const Scored& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); }
+
+// cand = the `cap` largest entries of row[0, N) above `thr` (fewer if fewer are), unordered.
+// When more than 4 cap have gathered, the cap largest so far are kept and the threshold rises to
+// the smallest of them, so a flat row costs about one vector compare per element.
+template <class V>
+void largest_above(const float* row, int64_t N, float thr, int64_t cap, std::vector<Scored>& cand) {
+  cand.clear();
+  if (cap <= 0) return;
+  typename V::F tv = V::set1(thr);
+  const auto keep_largest = [&]() {
+    std::nth_element(cand.begin(), cand.begin() + (cap - 1), cand.end(), larger);
+    cand.resize(cap);
+    thr = std::max(thr, cand[cap - 1].first);
+    tv = V::set1(thr);
+  };
+  int64_t v = 0;
+  for (; v + V::W <= N; v += V::W) {
+    for (uint32_t bits = V::gt_bits(V::load(row + v), tv); bits; bits &= bits - 1) {
+      const int64_t t = v + __builtin_ctz(bits);
+      cand.emplace_back(row[t], (int32_t)t);
+    }
+    if ((int64_t)cand.size() > 4 * cap) keep_largest();
+  }
+  for (; v < N; ++v)
+    if (row[v] > thr) cand.emplace_back(row[v], (int32_t)v);
+  if ((int64_t)cand.size() > cap) keep_largest();
+}
+
 // one row of logits [N], in place
 template <class V, int BITS, typename S>
 void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
-                std::vector<std::pair<float, int32_t>>& cand, std::vector<float>& xs) {
+                std::vector<Scored>& cand, std::vector<float>& xs) {
   const int64_t G = K / GROUP;
   typename V::F m = V::set1(-INFINITY);
   int64_t v = 0;
@@ -254,31 +286,7 @@ void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t*
   float mx = V::hmax(m);
   for (int64_t t = v; t < N; ++t) mx = std::max(mx, row[t]);
   if (!std::isfinite(mx)) return;
-  if (cap == 0) return;
-  const auto larger = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);   // ties: the lower id
-  };
-  // candidates above the threshold; when more than 4 cap gather (a flat row), the cap largest
-  // so far are kept and the threshold rises to the smallest of them
-  float thr = mx - margin;
-  typename V::F tv = V::set1(thr);
-  cand.clear();
-  const auto keep_largest = [&]() {
-    std::nth_element(cand.begin(), cand.begin() + (cap - 1), cand.end(), larger);
-    cand.resize(cap);
-    thr = std::max(thr, cand[cap - 1].first);
-    tv = V::set1(thr);
-  };
-  for (v = 0; v + V::W <= N; v += V::W) {
-    for (uint32_t bits = V::gt_bits(V::load(row + v), tv); bits; bits &= bits - 1) {
-      const int64_t t = v + __builtin_ctz(bits);
-      cand.emplace_back(row[t], (int32_t)t);
-    }
-    if ((int64_t)cand.size() > 4 * cap) keep_largest();
-  }
-  for (int64_t t = v; t < N; ++t)
-    if (row[t] > thr) cand.emplace_back(row[t], (int32_t)t);
-  if ((int64_t)cand.size() > cap) keep_largest();
+  largest_above<V>(row, N, mx - margin, cap, cand);
   const int64_t n = std::min<int64_t>(cap, cand.size());
   xs.resize(G);
   for (int64_t g = 0; g < G; ++g) {
@@ -287,6 +295,18 @@ void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t*
     xs[g] = V::hsum(s);
   }
   for (int64_t i = 0; i < n; ++i) row[cand[i].second] = exact_row_dot<V, BITS, S>(w, G, cand[i].second, x, xs.data());
+}
+
+// out[0, k) = the indices of row's k largest entries, largest first (ties: the lower index);
+// entries that are NaN or -inf come last, in index order, when fewer than k others exist
+template <class V>
+void topk_row(const float* row, int64_t N, int64_t k, int64_t* out, std::vector<Scored>& cand) {
+  largest_above<V>(row, N, -INFINITY, k, cand);
+  std::sort(cand.begin(), cand.end(), larger);
+  int64_t n = 0;
+  for (const Scored& c : cand) out[n++] = c.second;
+  for (int64_t t = 0; n < k && t < N; ++t)
+    if (!(row[t] > -INFINITY)) out[n++] = t;
 }
 
 // ---- attention over the paged cache --------------------------------------------------------
