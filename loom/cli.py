@@ -164,6 +164,11 @@ def bench(
                                     "median of each round's)."),
     duration: float | None = typer.Option(None, "--duration", min=0.001,
                                           help="--server: send rate x SECONDS requests per rate instead."),
+    endpoint: str = typer.Option("auto", "--endpoint",
+                                 help="--server: the API every request goes to: chat (/v1/chat/completions), "
+                                      "completions (/v1/completions, the prompt as plain text) or auto: "
+                                      "completions for a model without a chat template (from the GGUF of "
+                                      "--model when the bench starts servers, else the server's /tokenizer_info)."),
 ) -> None:
     """Measure loom and its peers in one run on the same GGUF and thread count, each engine in its own
     process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time.
@@ -173,7 +178,8 @@ def bench(
 
         run_load_command(server, model=model, rates=rates, num_requests=_int_list(num_requests, "--num-requests"),
                          duration=duration, max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path,
-                         plot=plot, out=out, err=err, peers=peers, rounds=rounds, threads=threads)
+                         plot=plot, out=out, err=err, peers=peers, rounds=rounds, threads=threads,
+                         endpoint=endpoint)
         return
     from loom.bench.prompts import SPEC_BENCH_PATH
     from loom.config import physical_cores
