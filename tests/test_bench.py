@@ -3,6 +3,7 @@ package is missing is reported as skipped, and the helpers behave. No timing thr
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import threading
@@ -241,11 +242,12 @@ def test_load_test_sends_completions_to_a_model_without_a_chat_template(tiny_gem
     assert level["usage_reported"] and 0 < level["output_tokens"] <= 15
     assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
 
-    result = CliRunner().invoke(app, [*args, "--endpoint", "/v1/completions"])
+    result = CliRunner().invoke(app, [*args, "--endpoint", "/v1/completions", "--ignore-eos"])
     assert result.exit_code == 0, result.output
     report = json.loads(report_path.read_text())
     assert report["endpoint"] == "completions" and report["endpoint_note"] is None
-    assert report["levels"][0]["ok"] == 3
+    assert report["settings"]["ignore_eos"] and "(ignore_eos)" in result.output
+    assert report["levels"][0]["ok"] == 3 and report["levels"][0]["output_tokens"] == 3 * 5
 
     result = CliRunner().invoke(app, [*args, "--endpoint", "chat"])
     assert result.exit_code == 1
@@ -339,7 +341,10 @@ def test_completions_load_reports_server_errors(fake_openai, prompts_file: Path)
     assert level["output_tokens"] == 6 and level["usage_reported"] and level["itl_ms"] is not None
     sent = handler.bodies
     assert all(b["stream"] and b["max_tokens"] == 7 and b["model"] == "fake" and "messages" not in b for b in sent)
-    assert all(b["prompt"] and b["stream_options"] == {"include_usage": True} for b in sent)
+    assert all(b["prompt"] and b["stream_options"] == {"include_usage": True} and "ignore_eos" not in b for b in sent)
+    handler.bodies = []
+    run_load(dataclasses.replace(plan, ignore_eos=True, num_requests=1))
+    assert [b["ignore_eos"] for b in handler.bodies] == [True, True]   # the warm-up and the one request
 
 
 def test_auto_endpoint_without_tokenizer_info_sends_chat(fake_openai, prompts_file: Path) -> None:

@@ -119,6 +119,8 @@ class LoadSettings:
     max_tokens: the ``max_tokens`` of every request; temperature 0 unless told.
     prompt_chars: prompts are cut to this many characters (about 4 per token).
     endpoint: ``chat``, ``completions`` or ``auto`` (see the module docstring).
+    ignore_eos: ask for exactly `max_tokens` per request (``ignore_eos``, an extension loom,
+    vLLM and llama-server all take), so every server generates the same tokens.
     """
 
     url: str
@@ -133,6 +135,7 @@ class LoadSettings:
     api_key: str | None = None
     prompts_path: Path = SPEC_BENCH_PATH
     endpoint: str = AUTO
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.endpoint != AUTO and self.endpoint not in ENDPOINTS:
@@ -170,7 +173,7 @@ class LoadSettings:
         return {"url": self.url, "rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
                 "duration": self.duration, "max_tokens": self.max_tokens, "temperature": self.temperature,
                 "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path),
-                "endpoint": self.endpoint}
+                "endpoint": self.endpoint, "ignore_eos": self.ignore_eos}
 
 
 @dataclass
@@ -212,7 +215,8 @@ def _payload(settings: LoadSettings, model: str, prompt: str) -> dict[str, Any]:
     text = ({"messages": [{"role": "user", "content": prompt}]} if settings.endpoint == "chat"
             else {"prompt": prompt})
     return {"model": model, **text, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True},
+            **({"ignore_eos": True} if settings.ignore_eos else {})}
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:

@@ -74,7 +74,8 @@ def notes(report: dict[str, Any]) -> list[str]:
                 else f"rate × {s['duration']:g} s requests per rate")
     baseline = f"{sat['baseline_e2e_ms']:,.0f} ms" if sat["baseline_e2e_ms"] is not None else "—"
     lines = [f"server {report['server']}, model {report['model']}; {per_rate}, Poisson arrivals "
-             f"(max: all at once); streaming {_endpoint(report)}, max_tokens {s['max_tokens']}, "
+             f"(max: all at once); streaming {_endpoint(report)}, max_tokens {s['max_tokens']}"
+             f"{' (ignore_eos)' if s.get('ignore_eos') else ''}, "
              f"temperature {s['temperature']:g}; {report['prompts']}",
              "achieved = ok requests / (first send to last answer); output tok/s over the same time; "
              "TTFT to the first content chunk; ITL = gaps between content chunks; E2E = send to last chunk",
@@ -119,7 +120,8 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     per_rate = (f"--num-requests {s['num_requests']}" if s["num_requests"] is not None
                 else f"--duration {s['duration']:g}")
-    endpoint = f" --endpoint {s['endpoint']}" if s.get("endpoint", "auto") != "auto" else ""
+    endpoint = (f" --endpoint {s['endpoint']}" if s.get("endpoint", "auto") != "auto" else "") + \
+        (" --ignore-eos" if s.get("ignore_eos") else "")
     header = ["rate req/s", *(f"{h} {u}".strip() for h, u, _ in COLUMNS)]
     lines = [f"## Load test: {report['model']}, {report['created'][:10]}", "",
              "Command (server started separately):", "", "```bash",

@@ -34,6 +34,8 @@ from loom.bench.settings import BenchError
 LOOM = "loom"
 TOKENS_PER_CHAR = 0.5       # a generous bound on prompt tokens per character (chat template included)
 SEQ_TOKENS_ROUND = 256
+REQUESTS = {"chat": "streaming POST /v1/chat/completions", "completions": "streaming POST /v1/completions",
+            AUTO: "chat or completions, as each server's /tokenizer_info tells (--endpoint auto without a GGUF)"}
 # (key, column name, short name for the ratio columns, getter, higher is better)
 METRICS = (("output_tok_s", "output tok/s", "tok/s", lambda lv: lv["output_tok_s"], True),
            ("ttft_p50_ms", "TTFT p50 ms", "TTFT", lambda lv: (lv["ttft_ms"] or {}).get("p50"), False),
@@ -195,8 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
     starts = [f"{run['label']} round {run['round'] + 1}: ready in {run['start_seconds']:.1f} s"
               for run in report["runs"] if run.get("start_seconds") is not None]
     about = [f"* {t['label']}: {t['about']}" for t in report["targets"]]
-    endpoint = report.get("endpoint", "chat")   # reports from before --endpoint measured chat
-    about.append(f"* requests: streaming POST /v1/{'chat/completions' if endpoint == 'chat' else 'completions'}")
+    about.append(f"* requests: {REQUESTS[report.get('endpoint', 'chat')]}")   # older reports: chat
     return "\n".join(lines + [""] + about + ([f"* start-up: {'; '.join(starts)}"] if starts else []))
 
 
