@@ -242,3 +242,23 @@ def test_hf_export_writes_a_loadable_unquantized_model_once(tiny_llama_path: Pat
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]          # no staging directory left
     monkeypatch.setattr(hf_export, "shutil", None)                 # a second export would need it
     assert hf_export.export_hf(tiny_llama_path, tmp_path / "hf", log=lambda m: None) == out
+
+
+def test_hf_export_of_a_model_without_a_chat_template(tiny_gemma3_path: Path, tmp_path: Path) -> None:
+    """vLLM's Gemma 3 weights come from the same export: a text-only Gemma3ForCausalLM with the GGUF's
+    sliding-window layout, no chat template, and a tokenizer that gives vLLM loom's prompt tokens."""
+    from transformers import AutoTokenizer
+
+    from loom.bench import hf_export
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+
+    out = hf_export.export_hf(tiny_gemma3_path, tmp_path / "hf", log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and "quantization_config" not in config
+    gguf = GGUFFile.open(tiny_gemma3_path)
+    assert config["num_hidden_layers"] == 6 and config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["sliding_window"] == gguf.get("gemma3.attention.sliding_window")
+    assert not (out / "chat_template.jinja").exists()
+    text = "Question 3: explain why the sky looks blue at noon."
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == Tokenizer.from_gguf(gguf).encode(text)

@@ -3,10 +3,11 @@
 Targets: the server at URL (labelled ``loom``), or with ``start`` none, plus every peer in
 ``--peers``, which the bench starts itself on a free port with the same GGUF and thread count
 (`loom.bench.server_peers`). Every server gets the same endpoint: ``--endpoint auto`` is decided
-once from the GGUF (completions for a model without a chat template, see `loom.bench.load`). The runs are interleaved so a busy machine spreads over all of
-them: for each round, each target in turn is started, answers the whole load (every request
-count of ``--num-requests``, each through the rate ladder of `loom.bench.load`, the same prompts
-in the same order) and is stopped before the next one starts. One server runs at a time.
+once from the GGUF (completions for a model without a chat template, see `loom.bench.load`).
+The runs are interleaved so a busy machine spreads over all of them: for each round, each
+target in turn is started, answers the whole load (every request count of ``--num-requests``,
+each through the rate ladder of `loom.bench.load`, the same prompts in the same order) and is
+stopped before the next one starts. One server runs at a time.
 
 Summary per (request count, rate) and target: the median over rounds of output tok/s and of the
 TTFT and ITL p50s; and per peer the median over rounds of loom's ratio in that round (loom/peer
