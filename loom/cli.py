@@ -167,6 +167,14 @@ def bench(
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1,
                                                help="--server: at most N requests in flight (with --rates max and "
                                                     "more requests than N: N streams held busy)."),
+    endpoint: str = typer.Option("auto", "--endpoint",
+                                 help="--server: the API every request goes to: chat (/v1/chat/completions), "
+                                      "completions (/v1/completions, the prompt as plain text) or auto: "
+                                      "completions for a model without a chat template (from the GGUF of "
+                                      "--model when the bench starts servers, else the server's /tokenizer_info)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+                                    help="--server: every request generates exactly --max-tokens (ignore_eos, "
+                                         "which loom, vLLM and llama-server take), the same work on every server."),
 ) -> None:
     """Measure loom and its peers in one run on the same GGUF and thread count, each engine in its own
     process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time.
@@ -177,7 +185,7 @@ def bench(
         run_load_command(server, model=model, rates=rates, num_requests=_int_list(num_requests, "--num-requests"),
                          duration=duration, max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path,
                          plot=plot, out=out, err=err, peers=peers, rounds=rounds, threads=threads,
-                         max_concurrency=max_concurrency)
+                         max_concurrency=max_concurrency, endpoint=endpoint, ignore_eos=ignore_eos)
         return
     from loom.bench.prompts import SPEC_BENCH_PATH
     from loom.config import physical_cores

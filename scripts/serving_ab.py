@@ -80,8 +80,10 @@ class CpuSampler:
 
 def engine_alone(model: str, n: int, max_tokens: int, warm: bool = True) -> dict:
     """The engine alone (no HTTP) on the load generator's own requests: the first n Spec-Bench
-    prompts (round-robin, cut to 1000 characters) as chat messages, greedy, max_tokens, prefix
-    caching off, all submitted at once after one warm-up request; tok/s over the same span."""
+    prompts (round-robin, cut to 1000 characters) as chat messages (as plain prompts for a model
+    without a chat template, as `loom bench --server`'s --endpoint auto sends them), greedy,
+    max_tokens, prefix caching off, all submitted at once after one warm-up request; tok/s over
+    the same span."""
     from loom.bench.prompts import load_spec_bench
     from loom.config import EngineConfig
     from loom.engine.engine import Engine
@@ -92,8 +94,9 @@ def engine_alone(model: str, n: int, max_tokens: int, warm: bool = True) -> dict
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
 
     def run(texts: list[str]) -> dict:
-        ids = [engine.tokenizer.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True)
-               for t in texts]
+        tok = engine.tokenizer
+        ids = [tok.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True)
+               if tok.chat_template is not None else tok.encode(t) for t in texts]
         t0 = time.perf_counter()
         for x in ids:
             engine.add_request({"prompt_token_ids": x}, params)

@@ -3,7 +3,10 @@ package is missing is reported as skipped, and the helpers behave. No timing thr
 
 from __future__ import annotations
 
+import dataclasses
+import http.server
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -209,6 +212,178 @@ def test_load_test_of_no_server_fails_clearly(prompts_file: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "--server", f"http://127.0.0.1:{free_port()}", "--quick",
                                       "--prompts", str(prompts_file)])
     assert result.exit_code == 1 and "cannot list models" in result.output
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_server(tiny_gemma3_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`loom serve` on the tiny gemma3: a base model without a chat template."""
+    from loom_server import LoomServer
+
+    server = LoomServer("load-gemma", tiny_gemma3_path, ["--threads", "1", "--num-blocks", "256", "--no-access-log"],
+                        tmp_path_factory.mktemp("load_gemma_logs"))
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def test_load_test_sends_completions_to_a_model_without_a_chat_template(tiny_gemma_server, prompts_file: Path,
+                                                                        tmp_path: Path) -> None:
+    report_path = tmp_path / "load.json"
+    args = ["bench", "--server", tiny_gemma_server.url, "--rates", "max", "--num-requests", "3", "--max-tokens", "5",
+            "--prompts", str(prompts_file), "--json", str(report_path)]
+    result = CliRunner().invoke(app, args)   # --endpoint auto: the server's /tokenizer_info has no template
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["endpoint"] == "completions" and report["settings"]["endpoint"] == "auto"
+    assert "no chat template" in report["endpoint_note"] and "POST /v1/completions" in result.output
+    level = report["levels"][0]
+    assert level["requests"] == 3 == level["ok"], level["error_samples"]
+    assert level["usage_reported"] and 0 < level["output_tokens"] <= 15
+    assert 0 < level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+
+    result = CliRunner().invoke(app, [*args, "--endpoint", "/v1/completions", "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path.read_text())
+    assert report["endpoint"] == "completions" and report["endpoint_note"] is None
+    assert report["settings"]["ignore_eos"] and "(ignore_eos)" in result.output
+    assert report["levels"][0]["ok"] == 3 and report["levels"][0]["output_tokens"] == 3 * 5
+
+    result = CliRunner().invoke(app, [*args, "--endpoint", "chat"])
+    assert result.exit_code == 1
+    assert "warm-up request to" in result.output and "/v1/chat/completions failed: HTTP 400" in result.output
+    assert "--endpoint completions" in result.output
+
+
+def test_completions_endpoint_on_a_chat_model(tiny_server, prompts_file: Path, tmp_path: Path) -> None:
+    report_path = tmp_path / "load.json"
+    for endpoint, expected in (("completions", "completions"), ("auto", "chat")):
+        result = CliRunner().invoke(app, ["bench", "--server", tiny_server.url, "--rates", "max", "--num-requests", "2",
+                                          "--max-tokens", "4", "--endpoint", endpoint, "--prompts", str(prompts_file),
+                                          "--json", str(report_path)])
+        assert result.exit_code == 0, result.output
+        report = json.loads(report_path.read_text())
+        assert report["endpoint"] == expected and report["levels"][0]["ok"] == 2, report["levels"][0]["error_samples"]
+
+
+class _FakeOpenAI(http.server.BaseHTTPRequestHandler):
+    """Lists model "fake"; no /tokenizer_info; chat answers 400 (no chat template); completions
+    answer with `statuses` in turn (then 200): 200 streams "a", "b", "c" and a usage chunk."""
+
+    statuses: list[int] = []
+    bodies: list[dict] = []
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        else:
+            self._json(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if self.path == "/v1/chat/completions":
+            return self._json(400, {"error": {"message": "the model has no chat template"}})
+        status = type(self).statuses.pop(0) if type(self).statuses else 200
+        if status != 200:
+            return self._json(status, {"error": {"message": f"failing with {status}"}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "b", "c")]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
+        for chunk in chunks:
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _json(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_openai():
+    """A stand-in OpenAI server in a thread; yields (url, handler class)."""
+    _FakeOpenAI.statuses, _FakeOpenAI.bodies = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", _FakeOpenAI
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_completions_load_reports_server_errors(fake_openai, prompts_file: Path) -> None:
+    from loom.bench.load import LoadSettings, run_load
+
+    url, handler = fake_openai
+    plan = LoadSettings(url=url, rates=(float("inf"),), num_requests=4, max_tokens=7, endpoint="completions",
+                        prompts_path=prompts_file)
+    handler.statuses = [503]
+    with pytest.raises(BenchError, match=r"warm-up request to http://127\.0\.0\.1:\d+/v1/completions failed: "
+                                         r"HTTP 503: .*failing with 503") as failed:
+        run_load(plan)
+    assert "--endpoint" not in str(failed.value)
+    handler.statuses, handler.bodies = [200, 500, 200, 422, 200], []
+    report = run_load(plan)
+    level = report["levels"][0]
+    assert (level["ok"], level["errors"], level["rejected_429"]) == (2, 2, 0)
+    assert sorted(s[:8] for s in level["error_samples"]) == ["HTTP 422", "HTTP 500"]
+    assert level["output_tokens"] == 6 and level["usage_reported"] and level["itl_ms"] is not None
+    sent = handler.bodies
+    assert all(b["stream"] and b["max_tokens"] == 7 and b["model"] == "fake" and "messages" not in b for b in sent)
+    assert all(b["prompt"] and b["stream_options"] == {"include_usage": True} and "ignore_eos" not in b for b in sent)
+    handler.bodies = []
+    run_load(dataclasses.replace(plan, ignore_eos=True, num_requests=1))
+    assert [b["ignore_eos"] for b in handler.bodies] == [True, True]   # the warm-up and the one request
+
+
+def test_auto_endpoint_without_tokenizer_info_sends_chat(fake_openai, prompts_file: Path) -> None:
+    from loom.bench.load import LoadSettings, run_load
+
+    url, handler = fake_openai
+    plan = LoadSettings(url=url, rates=(float("inf"),), num_requests=1, prompts_path=prompts_file)
+    with pytest.raises(BenchError, match=r"/v1/chat/completions failed: HTTP 400.*--endpoint completions"):
+        run_load(plan)
+    assert handler.bodies[0]["messages"][0]["role"] == "user" and "prompt" not in handler.bodies[0]
+
+
+def test_endpoint_names_and_the_gguf_chat_template(tiny_llama_path: Path, tiny_gemma3_path: Path,
+                                                   tmp_path: Path) -> None:
+    from loom.bench.load import LoadSettings, endpoint_for_gguf, parse_endpoint
+    from loom.bench.server_compare import same_endpoint
+
+    for text, name in (("chat", "chat"), (" Completions", "completions"), ("auto", "auto"),
+                       ("/v1/chat/completions", "chat"), ("/v1/completions", "completions"),
+                       ("chat/completions", "chat"), ("/completions", "completions")):
+        assert parse_endpoint(text) == name
+    for bad in ("", "embeddings", "/v1/responses"):
+        with pytest.raises(BenchError, match="--endpoint: expected auto, chat or completions"):
+            parse_endpoint(bad)
+    with pytest.raises(BenchError, match="unknown endpoint"):
+        LoadSettings(url="http://x", endpoint="responses")
+    assert endpoint_for_gguf(tiny_llama_path) == "chat" and endpoint_for_gguf(tiny_gemma3_path) == "completions"
+    with pytest.raises(BenchError, match="cannot read the chat template"):
+        endpoint_for_gguf(tmp_path / "missing.gguf")
+    plans = [LoadSettings(url="http://x", num_requests=n) for n in (8, 32)]
+    assert [p.endpoint for p in same_endpoint(plans, tiny_gemma3_path)] == ["completions"] * 2
+    assert [p.endpoint for p in same_endpoint(plans, None)] == ["auto"] * 2
+    chat = [LoadSettings(url="http://x", num_requests=8, endpoint="chat")]
+    assert same_endpoint(chat, tiny_gemma3_path)[0].endpoint == "chat"
+
+
+def test_bad_endpoint_option_fails_before_any_request() -> None:
+    result = CliRunner().invoke(app, ["bench", "--server", "http://127.0.0.1:9", "--endpoint", "embeddings"])
+    assert result.exit_code == 1 and "--endpoint: expected auto, chat or completions" in result.output
 
 
 def test_load_rates_counts_and_arrivals() -> None:

@@ -151,7 +151,7 @@ def _level(label: str, tok_s: float, ttft: float, itl: float) -> dict:
             "itl_ms": {"p50": itl, "p99": itl}, "errors": 0, "rejected_429": 0}
 
 
-def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path, tmp_path: Path) -> None:
+def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path, tiny_gemma3_path: Path) -> None:
     def fake_launch(job: ServeJob) -> Launch:
         return Launch([sys.executable, str(fake_server), str(job.port), "0"], {})
 
@@ -159,7 +159,7 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
     from loom.bench.server_compare import Target
 
     columns = [Target("loom", url="http://loom.invalid"), Target("peer", kind=peer)]
-    calls = []
+    calls, endpoints = [], set()
     # loom: 100 then 300 tok/s; peer: 50 then 100 -> per-round ratios 2 and 3, median 2.5
     speeds = {("loom", 0): 100.0, ("peer", 0): 50.0, ("loom", 1): 300.0, ("peer", 1): 100.0}
 
@@ -167,15 +167,18 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
         label = "loom" if settings.url == "http://loom.invalid" else "peer"
         rnd = sum(1 for c in calls if c[0] == label and c[1] == settings.num_requests)
         calls.append((label, settings.num_requests))
+        endpoints.add(settings.endpoint)
         tok = speeds[(label, rnd)] * settings.num_requests
         return {"settings": {"num_requests": settings.num_requests},
                 "levels": [_level("max", tok, 1000.0 / tok, 10.0)]}
 
     plans = [LoadSettings(url="x", rates=(float("inf"),), num_requests=n) for n in (8, 32)]
     partial = []
-    report = run_comparison(columns, plans, tmp_path / "m.gguf", threads=2, rounds=2, load=fake_load,
+    report = run_comparison(columns, plans, tiny_gemma3_path, threads=2, rounds=2, load=fake_load,
                             log=lambda m: None, on_run=lambda rep: partial.append(len(rep["runs"])))
     assert partial == [1, 2, 3, 4]
+    # --endpoint auto, decided once from the GGUF (no chat template): every server gets completions
+    assert endpoints == {"completions"} and report["endpoint"] == "completions"
     assert calls == [("loom", 8), ("loom", 32), ("peer", 8), ("peer", 32)] * 2
     assert report["slots"] == 32 and [r["label"] for r in report["runs"]] == ["loom", "peer", "loom", "peer"]
     assert all(r["start_seconds"] is not None for r in report["runs"] if r["label"] == "peer")
@@ -189,7 +192,7 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
     assert [c[:3] for c in cells] == [["8", "max", "loom"], ["8", "max", "peer"], ["32", "max", "loom"],
                                       ["32", "max", "peer"]]
     assert cells[1][header.index("loom vs it: tok/s")] == "2.50×" and cells[0][header.index("loom vs it: tok/s")] == ""
-    assert "| 8 | max | peer |" in markdown(report)
+    assert "| 8 | max | peer |" in markdown(report) and "streaming POST /v1/completions" in markdown(report)
 
 
 def test_summary_without_loom_has_no_ratios() -> None:
@@ -199,20 +202,26 @@ def test_summary_without_loom_has_no_ratios() -> None:
     assert rows[0]["ratios"] == {} and rows[0]["values"]["vllm"]["output_tok_s"] == 10.0
 
 
-def test_bench_starts_loom_serve_and_loads_it(tiny_llama_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model, endpoint", [("tiny_llama_path", "chat"), ("tiny_gemma3_path", "completions")])
+def test_bench_starts_loom_serve_and_loads_it(model: str, endpoint: str, tmp_path: Path,
+                                              request: pytest.FixtureRequest) -> None:
+    """The tiny llama has a chat template, the tiny gemma3 none: --endpoint auto sends it completions."""
+    gguf = request.getfixturevalue(model)
     rows = [{"question_id": i, "category": "qa", "turns": [f"Question {i}: why is the sky blue?"]} for i in range(6)]
     prompts = tmp_path / "question.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     report_path = tmp_path / "compare.json"
-    result = CliRunner().invoke(app, ["bench", "--server", "start", "--peers", "loom", "--model", str(tiny_llama_path),
+    result = CliRunner().invoke(app, ["bench", "--server", "start", "--peers", "loom", "--model", str(gguf),
                                       "--threads", "1", "--rates", "max", "--num-requests", "2,3", "--max-tokens", "4",
                                       "--prompts", str(prompts), "--json", str(report_path)])
     assert result.exit_code == 0, result.output
     report = json.loads(report_path.read_text())
     assert [r["label"] for r in report["runs"]] == ["loom"] and report["slots"] == 3
+    assert report["endpoint"] == endpoint and f"{endpoint} endpoint" in result.output
     run = report["runs"][0]
     assert run["start_seconds"] > 0 and run["command"][1:4] == ["-m", "loom", "serve"]
     for load, count in zip(run["loads"], (2, 3)):
+        assert load["endpoint"] == endpoint
         level = load["levels"][0]
         assert level["requests"] == count == level["ok"], level["error_samples"]
     assert [(r["requests"], r["rate"]) for r in report["summary"]] == [(2, "max"), (3, "max")]
@@ -233,3 +242,23 @@ def test_hf_export_writes_a_loadable_unquantized_model_once(tiny_llama_path: Pat
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]          # no staging directory left
     monkeypatch.setattr(hf_export, "shutil", None)                 # a second export would need it
     assert hf_export.export_hf(tiny_llama_path, tmp_path / "hf", log=lambda m: None) == out
+
+
+def test_hf_export_of_a_model_without_a_chat_template(tiny_gemma3_path: Path, tmp_path: Path) -> None:
+    """vLLM's Gemma 3 weights come from the same export: a text-only Gemma3ForCausalLM with the GGUF's
+    sliding-window layout, no chat template, and a tokenizer that gives vLLM loom's prompt tokens."""
+    from transformers import AutoTokenizer
+
+    from loom.bench import hf_export
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+
+    out = hf_export.export_hf(tiny_gemma3_path, tmp_path / "hf", log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and "quantization_config" not in config
+    gguf = GGUFFile.open(tiny_gemma3_path)
+    assert config["num_hidden_layers"] == 6 and config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["sliding_window"] == gguf.get("gemma3.attention.sliding_window")
+    assert not (out / "chat_template.jinja").exists()
+    text = "Question 3: explain why the sky looks blue at noon."
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == Tokenizer.from_gguf(gguf).encode(text)

@@ -1,8 +1,14 @@
 """`loom bench --server URL`: a load test of a running OpenAI-compatible server, from this process.
 
 Only the public OpenAI API is used (``GET /v1/models``, streaming ``POST /v1/chat/completions``
-with ``stream_options.include_usage``), so any such server can be measured: loom's own,
-llama.cpp's ``llama-server``, vLLM.
+or ``POST /v1/completions`` with ``stream_options.include_usage``), so any such server can be
+measured: loom's own, llama.cpp's ``llama-server``, vLLM.
+
+Endpoint (``--endpoint``, as vLLM's ``benchmark_serving``): ``chat`` sends each prompt as one user
+message, ``completions`` sends it as the plain prompt text (a base model without a chat template,
+such as Gemma 3 270M, answers only those), ``auto`` picks completions for a model without a chat
+template: from the GGUF when the bench knows it (`endpoint_for_gguf`), else from the server's
+``GET /tokenizer_info`` (vLLM's route, which loom serves), else chat.
 
 After one unmeasured warm-up request, for every rate of a ladder (requests per second; ``max``
 sends every request at once) requests arrive as a Poisson process (exponential gaps, seeded)
@@ -26,6 +32,7 @@ latency exceeds `LATENCY_BLOWUP` × L0, or any request is rejected or fails.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +46,7 @@ from typing import Any
 from loom.bench.prompts import SPEC_BENCH_PATH, load_spec_bench
 from loom.bench.settings import BenchError
 from loom.bench.stats import percentile
+from loom.loader.gguf import GGUFFile
 
 DEFAULT_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
 QUICK_RATES = (1.0, math.inf)
@@ -49,6 +57,12 @@ LATENCY_BLOWUP = 3.0
 PERCENTILES = (50, 99)
 REQUEST_TIMEOUT_S = 600.0
 MAX_ERROR_SAMPLES = 5
+# endpoint -> path under /v1; "auto" is resolved to one of them before the load starts
+ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
+AUTO = "auto"
+_ENDPOINT_ALIASES = {AUTO: AUTO, **{name: name for name in ENDPOINTS},
+                     **{alias: name for name, path in ENDPOINTS.items()
+                        for alias in (path, path.lstrip("/"), f"/v1{path}", f"v1{path}")}}
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -72,6 +86,24 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(sorted(set(rates)))
 
 
+def parse_endpoint(text: str) -> str:
+    """'chat', 'completions', 'auto', or a path such as '/v1/completions' -> the endpoint's name."""
+    name = _ENDPOINT_ALIASES.get(text.strip().lower())
+    if name is None:
+        raise BenchError(f"--endpoint: expected auto, chat or completions (or /v1/chat/completions, "
+                         f"/v1/completions), got {text!r}")
+    return name
+
+
+def endpoint_for_gguf(gguf: Path) -> str:
+    """``completions`` when the GGUF carries no chat template (a base model), else ``chat``."""
+    try:
+        template = GGUFFile.open(gguf).get("tokenizer.chat_template")
+    except Exception as e:  # noqa: BLE001 - any failure to read it is reported as one line
+        raise BenchError(f"--endpoint auto: cannot read the chat template of {gguf}: {e}") from None
+    return "chat" if isinstance(template, str) and template.strip() else "completions"
+
+
 def rate_label(rate: float) -> str:
     return "max" if math.isinf(rate) else f"{rate:g}"
 
@@ -90,6 +122,9 @@ class LoadSettings:
         --max-concurrency): a request that arrives while they are busy waits, and its times
         count from when it is sent; with rate ``max`` and more requests than this, a closed
         loop that holds the server at this many streams.
+    endpoint: ``chat``, ``completions`` or ``auto`` (see the module docstring).
+    ignore_eos: ask for exactly `max_tokens` per request (``ignore_eos``, an extension loom,
+    vLLM and llama-server all take), so every server generates the same tokens.
     """
 
     url: str
@@ -104,10 +139,14 @@ class LoadSettings:
     api_key: str | None = None
     prompts_path: Path = SPEC_BENCH_PATH
     max_concurrency: int | None = None
+    endpoint: str = AUTO
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise BenchError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.endpoint != AUTO and self.endpoint not in ENDPOINTS:
+            raise BenchError(f"unknown endpoint {self.endpoint!r} (auto, {', '.join(ENDPOINTS)})")
         if (self.num_requests is None) == (self.duration is None):
             raise BenchError("give either a request count per rate or a duration per rate, not both")
         if self.num_requests is not None and self.num_requests < 1:
@@ -124,6 +163,11 @@ class LoadSettings:
         base = self.url.rstrip("/")
         return base if base.endswith("/v1") else f"{base}/v1"
 
+    @property
+    def endpoint_url(self) -> str:
+        """The URL every request goes to (the endpoint must be resolved: not auto)."""
+        return f"{self.api_base}{ENDPOINTS[self.endpoint]}"
+
     def counts(self) -> list[int]:
         """Requests sent at each rate of the ladder."""
         if self.num_requests is not None:
@@ -136,7 +180,7 @@ class LoadSettings:
         return {"url": self.url, "rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
                 "duration": self.duration, "max_tokens": self.max_tokens, "temperature": self.temperature,
                 "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path),
-                "max_concurrency": self.max_concurrency}
+                "max_concurrency": self.max_concurrency, "endpoint": self.endpoint, "ignore_eos": self.ignore_eos}
 
 
 @dataclass
@@ -174,15 +218,24 @@ def arrival_times(rate: float, count: int, rng: random.Random) -> list[float]:
 
 
 def _payload(settings: LoadSettings, model: str, prompt: str) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": settings.max_tokens,
-            "temperature": settings.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    """The request body: the prompt as one user message (chat) or as the plain prompt text (completions)."""
+    text = ({"messages": [{"role": "user", "content": prompt}]} if settings.endpoint == "chat"
+            else {"prompt": prompt})
+    return {"model": model, **text, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+            "stream": True, "stream_options": {"include_usage": True},
+            **({"ignore_eos": True} if settings.ignore_eos else {})}
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed chunk carries output text: a chat ``delta.content`` or a completion ``text``."""
+    return any((c.get("delta") or {}).get("content") or c.get("text") for c in chunk.get("choices") or ())
 
 
 async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], record: RequestRecord,
                 clock: Callable[[], float]) -> None:
-    """Streams one chat completion into `record`; never raises for a failed request."""
+    """Streams one completion or chat completion into `record`; never raises for a failed request."""
     try:
-        async with client.stream("POST", f"{settings.api_base}/chat/completions", json=payload) as response:
+        async with client.stream("POST", settings.endpoint_url, json=payload) as response:
             record.status = response.status_code
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace")
@@ -198,7 +251,7 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
                 if chunk.get("error"):
                     record.error = f"in-stream error: {json.dumps(chunk['error'])[:200]}"
                     return
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                if _has_text(chunk):
                     now = clock()
                     record.first_token = now if record.first_token is None else record.first_token
                     record.chunk_times.append(now)
@@ -306,6 +359,30 @@ def _served_model(client: Any, settings: LoadSettings) -> str:
     return settings.model if settings.model in ids else ids[0]
 
 
+def _server_endpoint(client: Any, settings: LoadSettings) -> tuple[str, str]:
+    """``auto`` at a server: (endpoint, why) from its ``GET /tokenizer_info`` (loom's, vLLM's with
+    ``--enable-tokenizer-info-endpoint``); chat when the server does not tell."""
+    root = settings.api_base.removesuffix("/v1")
+    try:
+        response = client.get(f"{root}/tokenizer_info")
+        info = response.json() if response.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - an unreadable answer tells nothing: fall back to chat
+        info = None
+    if not isinstance(info, dict) or "chat_template" not in info:
+        return "chat", "auto: the server's /tokenizer_info does not say whether the model has a chat template"
+    if info["chat_template"]:
+        return "chat", "auto: the model has a chat template (the server's /tokenizer_info)"
+    return "completions", "auto: the model has no chat template (the server's /tokenizer_info)"
+
+
+def _warmup_error(settings: LoadSettings, warmup: RequestRecord) -> BenchError:
+    """The one-line error of a failed warm-up; a chat request the server refused hints at completions."""
+    refused = warmup.status is not None and 400 <= warmup.status < 500 and warmup.status != 429
+    hint = (" (a model without a chat template answers only plain prompts: --endpoint completions)"
+            if settings.endpoint == "chat" and refused else "")
+    return BenchError(f"the warm-up request to {settings.endpoint_url} failed: {warmup.error}{hint}")
+
+
 def _headers(settings: LoadSettings) -> dict[str, str]:
     key = settings.api_key or os.environ.get("OPENAI_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
@@ -323,6 +400,8 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
     measured = prompts[:-1]  # the last one warms the server up
     with httpx.Client(headers=_headers(settings), timeout=30) as client:
         model = _served_model(client, settings)
+        endpoint, why = _server_endpoint(client, settings) if settings.endpoint == AUTO else (settings.endpoint, None)
+    asked, settings = settings, dataclasses.replace(settings, endpoint=endpoint)
     counts = settings.counts()
     task = progress.add_task("load test", total=sum(counts)) if progress is not None else None
 
@@ -334,7 +413,7 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
             warmup = RequestRecord(sent=0.0)
             await _send(client, settings, _payload(settings, model, prompts[-1]), warmup, time.perf_counter)
             if not warmup.ok:
-                raise BenchError(f"the warm-up request to {settings.api_base}/chat/completions failed: {warmup.error}")
+                raise _warmup_error(settings, warmup)
             sent = 0
             for i, (rate, count) in enumerate(zip(settings.rates, counts)):
                 if task is not None:
@@ -351,7 +430,8 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
     levels = asyncio.run(ladder())
     verdict = saturation(levels)
     return {"kind": "load", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "server": settings.api_base, "model": model, "settings": settings.to_json(),
+            "server": settings.api_base, "model": model, "settings": asked.to_json(),
+            "endpoint": endpoint, "endpoint_note": why,
             "prompts": f"Spec-Bench first turns, round-robin over categories, cut to {settings.prompt_chars} "
                        f"characters; each rate continues where the previous one stopped (no prompt repeats "
                        f"before all {len(measured)} were sent), after one unmeasured warm-up request",

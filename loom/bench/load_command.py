@@ -13,8 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from loom.bench.load import (DEFAULT_MAX_TOKENS, DEFAULT_RATES, DEFAULT_REQUESTS, QUICK_RATES, LoadSettings,
-                             parse_rates, run_load)
+from loom.bench.load import (AUTO, DEFAULT_MAX_TOKENS, DEFAULT_RATES, DEFAULT_REQUESTS, QUICK_RATES,
+                             LoadSettings, parse_endpoint, parse_rates, run_load)
 from loom.bench.load_report import print_report, write_plots
 from loom.bench.prompts import SPEC_BENCH_PATH
 from loom.bench.server_compare import run_comparison, table, targets
@@ -31,15 +31,17 @@ COLUMNS = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNC
 
 def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: Sequence[int] | None,
                duration: float | None, max_tokens: int | None, quick: bool,
-               prompts: Path | None, max_concurrency: int | None = None) -> list[LoadSettings]:
-    """One `LoadSettings` per request count (one for --duration)."""
+               prompts: Path | None, endpoint: str = AUTO, ignore_eos: bool = False,
+               max_concurrency: int | None = None) -> list[LoadSettings]:
+    """One `LoadSettings` per request count (one for --duration); `endpoint` as --endpoint takes it."""
     counts: Sequence[int | None] = ((None,) if duration is not None else
                                     num_requests or ((QUICK_REQUESTS if quick else DEFAULT_REQUESTS),))
     return [LoadSettings(url=url, model=model,
                          rates=parse_rates(rates) if rates is not None else (QUICK_RATES if quick else DEFAULT_RATES),
                          num_requests=n, duration=duration,
                          max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
-                         prompts_path=prompts or SPEC_BENCH_PATH, max_concurrency=max_concurrency)
+                         prompts_path=prompts or SPEC_BENCH_PATH, endpoint=parse_endpoint(endpoint),
+                         ignore_eos=ignore_eos, max_concurrency=max_concurrency)
             for n in counts]
 
 
@@ -62,11 +64,12 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
                      duration: float | None, max_tokens: int | None, quick: bool, prompts: Path | None,
                      json_path: Path | None, plot: Path | None, out: Console, err: Console,
                      peers: str | None = None, rounds: int = 1, threads: int | None = None,
-                     max_concurrency: int | None = None) -> None:
+                     endpoint: str = AUTO, ignore_eos: bool = False, max_concurrency: int | None = None) -> None:
     if num_requests is not None and (not num_requests or min(num_requests) < 1):
         raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
     plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
-                       max_tokens=max_tokens, quick=quick, prompts=prompts, max_concurrency=max_concurrency)
+                       max_tokens=max_tokens, quick=quick, prompts=prompts, endpoint=endpoint,
+                       ignore_eos=ignore_eos, max_concurrency=max_concurrency)
     if url != "start" and not peers and len(plans) == 1:
         with Progress(*COLUMNS, console=err, transient=True) as progress:
             report = run_load(plans[0], progress)
@@ -90,7 +93,8 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
                                 load=lambda s: run_load(s, progress), log=lambda m: progress.console.print(escape(m)),
                                 on_run=lambda partial: _save(partial, json_path))
     header, rows = table(report)
-    grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads, medians",
+    grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads, "
+                       f"{report['endpoint']} endpoint, medians",
                  title_justify="left")
     for i, name in enumerate(header):
         grid.add_column(name, justify="left" if i < 3 else "right")

@@ -60,6 +60,14 @@ def verdict(report: dict[str, Any]) -> str:
     return f"saturation: {sat['rate']:g} req/s ({'; '.join(sat['reasons'])})"
 
 
+def _endpoint(report: dict[str, Any]) -> str:
+    """'chat completions (POST /v1/chat/completions)' or the completions one, with how auto chose it."""
+    name = report.get("endpoint", "chat")   # reports from before --endpoint measured chat
+    what = "chat completions (POST /v1/chat/completions)" if name == "chat" else "completions (POST /v1/completions)"
+    note = report.get("endpoint_note")
+    return f"{what}, {note}" if note else what
+
+
 def notes(report: dict[str, Any]) -> list[str]:
     s, sat = report["settings"], report["saturation"]
     per_rate = (f"{s['num_requests']} requests per rate" if s["num_requests"] is not None
@@ -68,7 +76,8 @@ def notes(report: dict[str, Any]) -> list[str]:
         per_rate += f", at most {s['max_concurrency']} in flight"
     baseline = f"{sat['baseline_e2e_ms']:,.0f} ms" if sat["baseline_e2e_ms"] is not None else "—"
     lines = [f"server {report['server']}, model {report['model']}; {per_rate}, Poisson arrivals "
-             f"(max: all at once); streaming chat completions, max_tokens {s['max_tokens']}, "
+             f"(max: all at once); streaming {_endpoint(report)}, max_tokens {s['max_tokens']}"
+             f"{' (ignore_eos)' if s.get('ignore_eos') else ''}, "
              f"temperature {s['temperature']:g}; {report['prompts']}",
              "achieved = ok requests / (first send to last answer); output tok/s over the same time; "
              "TTFT to the first content chunk; ITL = gaps between content chunks; E2E = send to last chunk",
@@ -113,12 +122,14 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     per_rate = (f"--num-requests {s['num_requests']}" if s["num_requests"] is not None
                 else f"--duration {s['duration']:g}")
+    endpoint = (f" --endpoint {s['endpoint']}" if s.get("endpoint", "auto") != "auto" else "") + \
+        (" --ignore-eos" if s.get("ignore_eos") else "")
     if s.get("max_concurrency"):
         per_rate += f" --max-concurrency {s['max_concurrency']}"
     header = ["rate req/s", *(f"{h} {u}".strip() for h, u, _ in COLUMNS)]
     lines = [f"## Load test: {report['model']}, {report['created'][:10]}", "",
              "Command (server started separately):", "", "```bash",
-             f"loom bench --server {s['url']} --rates {','.join(s['rates'])} {per_rate} "
+             f"loom bench --server {s['url']} --rates {','.join(s['rates'])} {per_rate}{endpoint} "
              f"--max-tokens {s['max_tokens']} --json load.json --plot load_plots", "```", "",
              "| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows(report)]

@@ -2,10 +2,12 @@
 
 Targets: the server at URL (labelled ``loom``), or with ``start`` none, plus every peer in
 ``--peers``, which the bench starts itself on a free port with the same GGUF and thread count
-(`loom.bench.server_peers`). The runs are interleaved so a busy machine spreads over all of
-them: for each round, each target in turn is started, answers the whole load (every request
-count of ``--num-requests``, each through the rate ladder of `loom.bench.load`, the same prompts
-in the same order) and is stopped before the next one starts. One server runs at a time.
+(`loom.bench.server_peers`). Every server gets the same endpoint: ``--endpoint auto`` is decided
+once from the GGUF (completions for a model without a chat template, see `loom.bench.load`).
+The runs are interleaved so a busy machine spreads over all of them: for each round, each
+target in turn is started, answers the whole load (every request count of ``--num-requests``,
+each through the rate ladder of `loom.bench.load`, the same prompts in the same order) and is
+stopped before the next one starts. One server runs at a time.
 
 Summary per (request count, rate) and target: the median over rounds of output tok/s and of the
 TTFT and ITL p50s; and per peer the median over rounds of loom's ratio in that round (loom/peer
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.bench.load import LoadSettings, run_load
+from loom.bench.load import AUTO, LoadSettings, endpoint_for_gguf, run_load
 from loom.bench.server_peers import (LocalServer, ServeJob, ServerKind, free_port,
                                      parse_server_peers)
 from loom.bench.settings import BenchError
@@ -33,6 +35,8 @@ from loom.bench.settings import BenchError
 LOOM = "loom"
 TOKENS_PER_CHAR = 0.5       # a generous bound on prompt tokens per character (chat template included)
 SEQ_TOKENS_ROUND = 256
+REQUESTS = {"chat": "streaming POST /v1/chat/completions", "completions": "streaming POST /v1/completions",
+            AUTO: "chat or completions, as each server's /tokenizer_info tells (--endpoint auto without a GGUF)"}
 # (key, column name, short name for the ratio columns, getter, higher is better)
 METRICS = (("output_tok_s", "output tok/s", "tok/s", lambda lv: lv["output_tok_s"], True),
            ("ttft_p50_ms", "TTFT p50 ms", "TTFT", lambda lv: (lv["ttft_ms"] or {}).get("p50"), False),
@@ -67,6 +71,15 @@ def seq_tokens(settings: LoadSettings) -> int:
     return -(-need // SEQ_TOKENS_ROUND) * SEQ_TOKENS_ROUND
 
 
+def same_endpoint(plans: Sequence[LoadSettings], gguf: Path | None) -> list[LoadSettings]:
+    """``--endpoint auto`` decided once from the GGUF (completions without a chat template), so every
+    server gets the same requests; without a GGUF each load decides at its server."""
+    if gguf is None or all(p.endpoint != AUTO for p in plans):
+        return list(plans)
+    endpoint = endpoint_for_gguf(gguf)
+    return [dataclasses.replace(p, endpoint=endpoint) if p.endpoint == AUTO else p for p in plans]
+
+
 def _run_target(target: Target, job: ServeJob | None, plans: Sequence[LoadSettings],
                 load: Callable[[LoadSettings], dict[str, Any]], log: Callable[[str], None]) -> dict[str, Any]:
     """Every plan against one target (started and stopped around them when it is a peer)."""
@@ -92,8 +105,10 @@ def run_comparison(columns: Sequence[Target], plans: Sequence[LoadSettings], ggu
     if started and gguf is None:
         raise BenchError("starting a server peer needs the model's GGUF (--model)")
     slots = max(n for p in plans for n in p.counts())
+    plans = same_endpoint(plans, gguf)
     report = {"kind": "load-compare", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "model": str(gguf) if gguf else None, "threads": threads, "rounds": rounds, "slots": slots,
+              "endpoint": plans[0].endpoint,
               "targets": [{"label": t.label, "url": t.url,
                            "about": t.kind.about if t.kind else "the server at --server"} for t in columns],
               "runs": [], "summary": []}
@@ -183,6 +198,7 @@ def markdown(report: dict[str, Any]) -> str:
     starts = [f"{run['label']} round {run['round'] + 1}: ready in {run['start_seconds']:.1f} s"
               for run in report["runs"] if run.get("start_seconds") is not None]
     about = [f"* {t['label']}: {t['about']}" for t in report["targets"]]
+    about.append(f"* requests: {REQUESTS[report.get('endpoint', 'chat')]}")   # older reports: chat
     return "\n".join(lines + [""] + about + ([f"* start-up: {'; '.join(starts)}"] if starts else []))
 
 
