@@ -275,26 +275,72 @@ void largest_above(const float* row, int64_t N, float thr, int64_t cap, std::vec
   if ((int64_t)cand.size() > cap) keep_largest();
 }
 
-// one row of logits [N], in place
-template <class V, int BITS, typename S>
-void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
-                std::vector<Scored>& cand, std::vector<float>& xs) {
-  const int64_t G = K / GROUP;
+// <row of a GGUF Q8_0 table, x> in float32: K / 32 blocks of [float16 d][32 int8 q], w = d q.
+// The stored rows are contiguous (the packed layout spreads one row over 9 cache lines a group),
+// so the model's tied embedding table serves the output layer's refinement at a sixteenth of the
+// memory traffic.
+constexpr int64_t Q8_0_BLOCK = 34;
+
+template <class V>
+float q8_0_row_dot(const uint8_t* r, int64_t G, const float* x) {
+  typename V::F acc = V::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* b = r + g * Q8_0_BLOCK;
+    at::Half d;
+    std::memcpy(&d, b, 2);
+    typename V::F dot = V::zero();
+    for (int j = 0; j < GROUP; j += 16) {
+      typename V::F q[16 / V::W];
+      V::i8x16_to_f(_mm_loadu_si128((const __m128i*)(b + 2 + j)), q);
+      for (int h = 0; h < 16 / V::W; ++h) dot = V::fma(q[h], V::load(x + g * GROUP + j + h * V::W), dot);
+    }
+    acc = V::fma(dot, V::set1((float)d), acc);
+  }
+  return V::hsum(acc);
+}
+
+// the row's candidates: its logits within `margin` of its maximum, the `cap` largest; false if
+// the row has no finite maximum
+template <class V>
+bool refine_candidates(const float* row, int64_t N, float margin, int64_t cap, std::vector<Scored>& cand) {
   typename V::F m = V::set1(-INFINITY);
   int64_t v = 0;
   for (; v + V::W <= N; v += V::W) m = V::max(m, V::load(row + v));
   float mx = V::hmax(m);
   for (int64_t t = v; t < N; ++t) mx = std::max(mx, row[t]);
-  if (!std::isfinite(mx)) return;
+  if (!std::isfinite(mx)) return false;
   largest_above<V>(row, N, mx - margin, cap, cand);
-  const int64_t n = std::min<int64_t>(cap, cand.size());
+  std::sort(cand.begin(), cand.end(), [](const Scored& a, const Scored& b) { return a.second < b.second; });
+  return true;   // in index order: rows near each other in memory come together
+}
+
+// one row of logits [N], in place, from the packed matrix w
+template <class V, int BITS, typename S>
+void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
+                std::vector<Scored>& cand, std::vector<float>& xs) {
+  const int64_t G = K / GROUP;
+  if (!refine_candidates<V>(row, N, margin, cap, cand)) return;
   xs.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     typename V::F s = V::zero();
     for (int j = 0; j < GROUP; j += V::W) s = V::add(s, V::load(x + g * GROUP + j));
     xs[g] = V::hsum(s);
   }
-  for (int64_t i = 0; i < n; ++i) row[cand[i].second] = exact_row_dot<V, BITS, S>(w, G, cand[i].second, x, xs.data());
+  for (const Scored& c : cand) row[c.second] = exact_row_dot<V, BITS, S>(w, G, c.second, x, xs.data());
+}
+
+// the same from a Q8_0 table [N, K / 32 * 34 bytes] (row stride ldt bytes)
+template <class V>
+void refine_row_q8_0(float* row, int64_t N, const float* x, int64_t K, const uint8_t* table, int64_t ldt,
+                     float margin, int64_t cap, std::vector<Scored>& cand) {
+  if (!refine_candidates<V>(row, N, margin, cap, cand)) return;
+  const int64_t G = K / GROUP, row_bytes = G * Q8_0_BLOCK;
+  for (size_t i = 0; i < cand.size(); ++i) {
+    if (i + 1 < cand.size())
+      for (int64_t off = 0; off < row_bytes; off += 64)
+        _mm_prefetch((const char*)(table + cand[i + 1].second * ldt + off), _MM_HINT_T0);
+    row[cand[i].second] = q8_0_row_dot<V>(table + cand[i].second * ldt, G, x);
+  }
 }
 
 // out[0, k) = the indices of row's k largest entries, largest first (ties: the lower index);

@@ -132,12 +132,17 @@ class AdaptiveLinear:
 TOP_LOGITS_MARGIN, TOP_LOGITS_CAP = 8.0, 64
 
 
-def output_logits(head: LinearBackend, hidden: torch.Tensor) -> torch.Tensor:
+def output_logits(head: LinearBackend, hidden: torch.Tensor, q8_0_rows: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [N, D] -> float32 logits [N, V]; on loom's kernels the rows' top logits are
-    computed again in float32 (an exact product of the stored weights)."""
+    computed again in float32 (an exact product of the stored weights). `q8_0_rows`: the same
+    matrix as the GGUF's Q8_0 rows [V, D / 32 * 34] (a tied embedding table), read instead of
+    the packed codes: the same values, contiguous per row."""
     logits = head(hidden).float()
     if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32 and logits.shape[0]:
-        head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
+        if q8_0_rows is not None:
+            head.kern.refine_logits_q8_0(logits, hidden.contiguous(), q8_0_rows, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
+        else:
+            head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
     return logits
 
 
