@@ -74,8 +74,8 @@ class StructuredOutputs:
         if len(rows) < len(matchers):
             words[[i for i, m in enumerate(matchers) if m is None]] = -1     # every token allowed
         self.backend.apply_mask(logits, mask)
-        empty = ~words[rows].any(axis=1)
-        return [i for i, e in zip(rows, empty.tolist()) if e]
+        empty = ~words.any(axis=1)                                          # free rows: never empty
+        return [i for i in rows if empty[i]]
 
     def _bitmask(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the reused bitmask (grown on demand); every row mask_rows

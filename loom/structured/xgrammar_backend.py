@@ -161,11 +161,10 @@ class XGrammarBackend(GrammarBackend):
 
     def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
         """xgrammar's matchers in one call (one C++ loop over the rows)."""
-        ours = [j for j, m in enumerate(matchers) if isinstance(m, XGrammarMatcher)]
-        if ours:
-            self._batch.batch_fill_next_token_bitmask([matchers[j]._m for j in ours], mask, [rows[j] for j in ours])
-        for j in sorted(set(range(len(matchers))) - set(ours)):   # any other GrammarMatcher fills its own row
-            matchers[j].fill_mask(mask, rows[j])
+        if all(type(m) is XGrammarMatcher for m in matchers):
+            self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], mask, rows)
+        else:   # another GrammarMatcher (a wrapper around one) among them: row by row
+            super().fill_masks(matchers, mask, rows)
 
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         """loom's kernel where it can (float32 rows; a whole word of forbidden tokens is one
