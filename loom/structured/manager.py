@@ -80,8 +80,9 @@ class StructuredOutputs:
     def _bitmask(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the reused bitmask (grown on demand); every row mask_rows
         uses is overwritten before it is read."""
-        if self._mask is None or self._mask.shape[0] < rows:
-            self._mask = self.backend.allocate_mask(max(rows, 2 * (0 if self._mask is None else self._mask.shape[0])))
+        have = 0 if self._mask is None else self._mask.shape[0]
+        if have < rows:
+            self._mask = self.backend.allocate_mask(max(rows, 2 * have))
         return self._mask[:rows]
 
     def mask_tree(self, logits: torch.Tensor, matcher: GrammarMatcher, tokens: tuple[int, ...],
