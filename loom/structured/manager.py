@@ -78,8 +78,8 @@ class StructuredOutputs:
         return [i for i in rows if empty[i]]
 
     def _bitmask(self, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the reused bitmask (grown on demand); every row mask_rows
-        uses is overwritten before it is read."""
+        """The first `rows` rows of the reused bitmask (grown on demand); its callers overwrite
+        every row they use before reading it."""
         have = 0 if self._mask is None else self._mask.shape[0]
         if have < rows:
             self._mask = self.backend.allocate_mask(max(rows, 2 * have))
@@ -90,10 +90,11 @@ class StructuredOutputs:
         """Masks a draft tree's verification rows `logits` [1 + nodes, V] in place: row 0 by the
         grammar here, row i + 1 by the grammar after the path to node i. Returns which rows admit
         no token at all; those are left unmasked (a verifier needs a distribution there)."""
-        mask = self.backend.allocate_mask(len(tokens) + 1)
+        mask = self._bitmask(len(tokens) + 1)     # fill_tree_masks writes every row
         matcher.fill_tree_masks(tokens, parents, mask)
-        stuck = (mask == 0).all(dim=1)
-        if bool(stuck.any()):
-            mask[stuck] = -1     # every bit set: every token allowed
+        words = mask.numpy()
+        stuck = ~words.any(axis=1)
+        if stuck.any():
+            words[stuck] = -1     # every bit set: every token allowed
         self.backend.apply_mask(logits, mask)
         return stuck.tolist()
