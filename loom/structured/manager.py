@@ -22,7 +22,7 @@ class StructuredOutputs:
         self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._mask: torch.Tensor | None = None    # [rows, V / 32] int32, mask_rows' bitmask
+        self._mask: torch.Tensor | None = None    # [rows, V / 32] int32, reused by mask_rows / mask_tree
 
     @property
     def backend(self) -> GrammarBackend:

@@ -163,7 +163,7 @@ class XGrammarBackend(GrammarBackend):
         """xgrammar's matchers in one call (one C++ loop over the rows)."""
         if all(type(m) is XGrammarMatcher for m in matchers):
             self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], mask, rows)
-        else:   # another GrammarMatcher (a wrapper around one) among them: row by row
+        else:   # some other GrammarMatcher among them: row by row
             super().fill_masks(matchers, mask, rows)
 
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
