@@ -17,7 +17,9 @@ it is the c longest requests at once (repeated until `--round-tokens` if they ho
 Decode time of a variant in a round = sum over its requests of (last token time - first token
 time) / sum of (tokens - 1): the time between tokens, weighted by tokens, prefill excluded.
 Each round gives one paired ratio constrained / unconstrained; the table gives their median,
-min and max over `--rounds` rounds. Greedy constrained outputs must repeat round after round
+min and max over `--rounds` rounds, and the median over pairs of consecutive rounds (one of each
+order) of the geometric mean of their two ratios, which cancels a slowdown of whichever variant
+runs second (printed too: the median of second / first over rounds). Use an even `--rounds`. Greedy constrained outputs must repeat round after round
 (checked: each concurrency first runs its batches once constrained as the reference; a round's
 output unlike it is counted and printed, as the two variants would then decode different work).
 
@@ -130,12 +132,26 @@ def rounds(llm: LLM, batches: list[list], n: int, max_tokens: int) -> list[dict]
     return found
 
 
+def balanced(runs: list[dict]) -> list[float]:
+    """Per pair of consecutive rounds (one of each order), the geometric mean of their two ratios:
+    a slowdown of whichever variant runs second in a round cancels out of it."""
+    return [(a["ratio"] * b["ratio"]) ** 0.5 for a, b in zip(runs[::2], runs[1::2])]
+
+
+def second_slower(runs: list[dict]) -> float:
+    """Median over rounds of (the variant run second) / (the one run first): the order effect."""
+    return statistics.median(r["ratio"] if k % 2 == 0 else 1 / r["ratio"] for k, r in enumerate(runs))
+
+
 def row(concurrency: int, requests: int, runs: list[dict], load_before, load_after) -> str:
     ratios = sorted(100 * (r["ratio"] - 1) for r in runs)
+    pairs = balanced(runs)
     free = statistics.median(r["free"] for r in runs)
     cons = statistics.median(r["constrained"] for r in runs)
     return (f"| {concurrency} | {requests} | {runs[0]['free_tokens']} | {len(runs)} | {free:.2f} | {cons:.2f} | "
             f"**{statistics.median(ratios):+.1f}%** | {ratios[0]:+.1f}% .. {ratios[-1]:+.1f}% | "
+            f"{100 * (statistics.median(pairs) - 1) if pairs else float('nan'):+.1f}% | "
+            f"{100 * (second_slower(runs) - 1):+.1f}% | "
             f"{sum(r['free_changed'] + r['constrained_changed'] for r in runs)} | "
             f"{load_before[0]:.2f} -> {load_after[0]:.2f} |")
 
@@ -155,9 +171,10 @@ def main() -> None:
     ranked = warm_up(llm, compiling_schemas(llm, args.schemas), args.max_tokens)
     print(f"{len(ranked)} schemas; constrained output lengths {[len(r[2]) for r in ranked]}", flush=True)
     lines = ["| concurrent | requests per round | tokens per round | rounds | unconstrained ms/token "
-             "| constrained ms/token | overhead (median of paired ratios) | min .. max | outputs changed "
+             "| constrained ms/token | overhead (median of paired ratios) | min .. max "
+             "| overhead (median over round pairs) | second run of a round slower by | outputs changed "
              "| load average (1 min) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     raw = {}
     for c in levels:
         batches = reference(llm, round_batches(ranked, c, args.round_tokens), args.max_tokens)
