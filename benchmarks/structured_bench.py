@@ -11,6 +11,9 @@ at 1 and `--concurrency` concurrent requests: the unconstrained run gives each r
 constrained run's output length (`ignore_eos`), so both runs decode the same tokens per request
 and the same batch at every step; jump-forward (`speculative_config={"method": "grammar"}`)
 is a third run. llama.cpp runs one request at a time (its Python API has no batching).
+These runs are one after another on short outputs, so one of them moves by ±10 points: the
+constrained-decoding overhead itself is measured by benchmarks/structured_tpot.py (paired,
+interleaved rounds in one engine).
 
 llguidance and llama-cpp-python are needed for their columns only (benchmark-only imports).
 Prints Markdown tables (the docs/benchmarks.md section).

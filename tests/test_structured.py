@@ -213,6 +213,30 @@ def test_mask_rows_masks_only_constrained_rows_and_names_those_that_admit_nothin
     assert so.mask_rows(logits, [None, None, None]) == []
 
 
+def test_batched_fill_writes_what_each_matcher_writes_and_the_reused_mask_forgets_the_last_step(make_tiny):
+    engine = make_tiny()
+    tok, so = engine.tokenizer, engine.structured
+    a, b = (tok.encode(c, add_special_tokens=False)[0] for c in "ab")
+    matchers = [so.matcher(StructuredOutputsParams(regex=r)) for r in ("a+", "b+", "(ab)+", "a+")]
+    matchers[2].accept(a)                                     # rows at different positions
+    one = so.backend.allocate_mask(4)
+    for j, m in enumerate(matchers):
+        m.fill_mask(one, j)
+    batched = torch.zeros_like(one)
+    so.backend.fill_masks(matchers[1:], batched, [1, 2, 3])
+    so.backend.fill_masks(matchers[:1], batched, [0])
+    assert torch.equal(batched, one)
+
+    # step 1 all four rows constrained, step 2 rows 0 and 2 free: their old masks must not stay
+    V = engine.model.cfg.vocab_size
+    so.mask_rows(torch.zeros(4, V), matchers)
+    logits = torch.zeros(4, V)
+    assert so.mask_rows(logits, [None, matchers[1], None, matchers[3]]) == []
+    assert not torch.isneginf(logits[0]).any() and not torch.isneginf(logits[2]).any()
+    assert torch.isneginf(logits[1, a]) and not torch.isneginf(logits[1, b])
+    assert torch.isneginf(logits[3, b]) and not torch.isneginf(logits[3, a])
+
+
 # -- a real model: JSON that validates ---------------------------------------------------------------
 
 

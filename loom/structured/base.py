@@ -98,6 +98,12 @@ class GrammarBackend(ABC):
     def allocate_mask(self, rows: int) -> torch.Tensor:
         """A mask for `rows` rows, every token allowed."""
 
+    def fill_masks(self, matchers: list[GrammarMatcher], mask: torch.Tensor, rows: list[int]) -> None:
+        """Writes matchers[j]'s allowed next tokens into row rows[j] of `mask`, for every j (a
+        backend with a batch call overrides this one-call-per-row loop)."""
+        for m, row in zip(matchers, rows):
+            m.fill_mask(mask, row)
+
     @abstractmethod
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
         """Sets the logits of disallowed tokens to -inf, in place; rows correspond."""

@@ -22,6 +22,7 @@ class StructuredOutputs:
         self._tokenizer, self._vocab_size, self._backend_name = tokenizer, vocab_size, backend
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._mask: torch.Tensor | None = None    # [rows, V / 32] int32, reused by mask_rows / mask_tree
 
     @property
     def backend(self) -> GrammarBackend:
@@ -57,32 +58,43 @@ class StructuredOutputs:
 
     def mask_rows(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> list[int]:
         """Masks row i of `logits` [R, V] by matchers[i] (None: unconstrained), in place. Returns
-        the rows whose grammar admits no token at all (read from the bitmask, [R, V / 32] words,
-        not from the masked logits: 32 times less to scan)."""
+        the rows whose grammar admits no token at all.
+
+        One bitmask [R, V / 32] int32, kept between steps, holds every row: the constrained ones
+        filled by the backend in one call, the others all ones (the kernel skips a word of ones),
+        so a mixed batch is masked in place without copying its rows out and back. Rows that
+        admit nothing are read from the bitmask with numpy (32 times less to scan than the
+        logits, and no torch thread pool woken for a few microseconds' work)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return []
-        mask = self.backend.allocate_mask(len(rows))
-        for j, i in enumerate(rows):
-            matchers[i].fill_mask(mask, j)
-        empty = (~mask.any(dim=1)).tolist()
-        if len(rows) == logits.shape[0]:
-            self.backend.apply_mask(logits, mask)
-        else:
-            sub = logits[rows]
-            self.backend.apply_mask(sub, mask)
-            logits[rows] = sub
-        return [i for i, e in zip(rows, empty) if e]
+        mask = self._bitmask(logits.shape[0])
+        self.backend.fill_masks([matchers[i] for i in rows], mask, rows)
+        words = mask.numpy()
+        if len(rows) < len(matchers):
+            words[[i for i, m in enumerate(matchers) if m is None]] = -1     # every token allowed
+        self.backend.apply_mask(logits, mask)
+        empty = ~words.any(axis=1)                                          # free rows: never empty
+        return [i for i in rows if empty[i]]
+
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the reused bitmask (grown on demand); its callers overwrite
+        every row they use before reading it."""
+        have = 0 if self._mask is None else self._mask.shape[0]
+        if have < rows:
+            self._mask = self.backend.allocate_mask(max(rows, 2 * have))
+        return self._mask[:rows]
 
     def mask_tree(self, logits: torch.Tensor, matcher: GrammarMatcher, tokens: tuple[int, ...],
                   parents: tuple[int, ...]) -> list[bool]:
         """Masks a draft tree's verification rows `logits` [1 + nodes, V] in place: row 0 by the
         grammar here, row i + 1 by the grammar after the path to node i. Returns which rows admit
         no token at all; those are left unmasked (a verifier needs a distribution there)."""
-        mask = self.backend.allocate_mask(len(tokens) + 1)
+        mask = self._bitmask(len(tokens) + 1)     # fill_tree_masks writes every row
         matcher.fill_tree_masks(tokens, parents, mask)
-        stuck = (mask == 0).all(dim=1)
-        if bool(stuck.any()):
-            mask[stuck] = -1     # every bit set: every token allowed
+        words = mask.numpy()
+        stuck = ~words.any(axis=1)
+        if stuck.any():
+            words[stuck] = -1     # every bit set: every token allowed
         self.backend.apply_mask(logits, mask)
         return stuck.tolist()
