@@ -3,7 +3,7 @@ head channel) that divides every key before it is stored and multiplies every qu
 <q * s, k / s> = <q, k> and no byte is added to a row.
 
 Why: a model with per-head q/k norms (Gemma 3) scales a few key channels up for every token
-(Gemma 3 270M: channels 30-80x the median RMS) while the query does not weigh them as much.
+(Gemma 3 270M: up to 62x the median channel RMS) that the query hardly reads.
 The Hadamard rotation spreads those channels over the whole row, so every 32-group's scale is
 set by them and the small channels the query does read are lost in the rounding. For a
 rotated row the rounding error e is close to isotropic, of a size set by |k / s|, so the score
