@@ -6,6 +6,9 @@
     preemption all give the output of the request run alone (the row kernel is invariant, and
     a row is quantized on its own, so nothing is ever requantized);
   * with and without loom's kernels (LOOM_KERNELS=0 takes the torch path);
+  * key smoothing (a model with q/k norms stores k / s and reads q * s): the scores and RoPE are
+    unchanged by it, it is on for the quantized formats only, and on a Gemma 3 whose k norm has
+    outlier channels it halves the int4 cache's KL divergence;
   * bad input: an unknown kv_cache_dtype lists the choices, int4 on a head size it cannot hold says so.
 """
 
@@ -24,7 +27,9 @@ from loom.loader.gguf import GGUFFile
 from loom.loader.tokenizer import Tokenizer
 from loom.model.build import load_model
 from loom.model.kv_cache import KVCacheTensors
-from loom.model.kv_dtypes import FORMATS, format_of, hadamard, kv_format
+from loom import kernels
+from loom.model.kv_dtypes import FORMATS, format_of, hadamard, key_smoothing, kv_format
+from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.runner import score_slices
 from loom.outputs import FinalOutputs
 from loom.sampling_params import SamplingParams
@@ -143,3 +148,71 @@ def test_quantized_kv_stays_close_to_float32(parts, fmt):
     assert float(kld) < (1e-4 if fmt == "int8" else 1e-2)
     cache = KVCacheTensors(model.cfg, 8, fmt)
     assert cache.layers[0][0].dtype == torch.uint8 and cache.format.name == fmt
+
+
+def test_key_smoothing_keeps_every_score_and_commutes_with_rope():
+    g = torch.Generator().manual_seed(1)
+    D = 32
+    q_norm, k_norm = torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5
+    k_norm[[3, 19]] = 30.0      # an outlier key channel pair, as Gemma 3's k norms have
+    k_norm[[5, 21]] = 0.0       # and a dead one
+    s = key_smoothing(q_norm, k_norm)
+    assert s.shape == (D,) and bool(torch.isfinite(s).all()) and bool((s > 0).all())
+    assert torch.equal(s[:D // 2], s[D // 2:])                  # one factor per RoPE pair (j, j + D/2)
+    assert float(s[3]) > 4 * float(s.median()) and float(s[5]) < float(s.median())
+    cos, sin = RotaryEmbedding(D, 10_000.0, 64).tables(torch.arange(40), torch.float32)
+    x = torch.randn(40, 2, D, generator=g)
+    torch.testing.assert_close(apply_rope(x * s, cos, sin), apply_rope(x, cos, sin) * s)
+    q, k = torch.randn(7, D, generator=g), torch.randn(9, D, generator=g)
+    torch.testing.assert_close((q * s) @ (k / s).T, q @ k.T)
+
+
+@pytest.fixture(scope="module")
+def outlier_gemma(tmp_path_factory):
+    """A tiny Gemma 3 (head_dim 32) whose k norms scale two RoPE pairs 30x, on loom's kernels
+    where this CPU has them."""
+    path = tiny_gguf.write_tiny_gemma3(tmp_path_factory.mktemp("kvq") / "gemma32.gguf", seed=3, n_layers=2,
+                                       sliding_window=64)
+    f = GGUFFile.open(path)
+    model = load_model(f, linear="quant" if kernels.available() else "exact")
+    for layer in model.layers:
+        layer.k_norm = layer.k_norm.clone()
+        layer.k_norm[[3, 19, 7, 23]] *= 30.0
+        layer.__post_init__()        # the smoothed norms again, from the new weights
+    return path, model, Tokenizer.from_gguf(f)
+
+
+def _kld_vs_float32(model, fmt: str) -> float:
+    ids = list(range(3, 90))
+    ref = torch.cat(list(score_slices(model, ids, 0, torch.float32, chunk=32)))
+    got = torch.cat(list(score_slices(model, ids, 0, kv_format(fmt), chunk=32)))
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_key_smoothing_halves_the_int4_error_of_outlier_keys(outlier_gemma, kernels_on, monkeypatch):
+    model = outlier_gemma[1]
+    if not kernels_on:
+        monkeypatch.setattr(model, "kern", None)
+    layer = model.layers[0]
+    assert layer.qk_norms(kv_format("float16")) == (layer.q_norm, layer.k_norm)   # float caches: plain
+    assert layer.qk_norms(kv_format("int4"))[1] is layer.k_norm_kv
+    smoothed = _kld_vs_float32(model, "int4")
+    for L in model.layers:   # the same cache without the smoothing
+        monkeypatch.setattr(L, "q_norm_kv", L.q_norm)
+        monkeypatch.setattr(L, "k_norm_kv", L.k_norm)
+    plain = _kld_vs_float32(model, "int4")
+    assert smoothed < 0.7 * plain and smoothed < 5e-3
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_smoothed_gemma_outputs_do_not_depend_on_how_the_kv_was_made(outlier_gemma, fmt):
+    prompts = _prompts(outlier_gemma[2], 3)
+    alone = [greedy(make(outlier_gemma, kv_cache_dtype=fmt, enable_prefix_caching=False), [p])[0][0]
+             for p in prompts]
+    engine = make(outlier_gemma, kv_cache_dtype=fmt)
+    greedy(engine, prompts)
+    assert [o[0] for o in greedy(engine, prompts)] == alone and engine.scheduler.kv.stats.prefix_cache_hits > 0
+    assert greedy(make(outlier_gemma, kv_cache_dtype=fmt), [prompts[1]], n=3)[0] == [alone[1]] * 3
+    small = make(outlier_gemma, kv_cache_dtype=fmt, num_blocks=16, enable_prefix_caching=False)
+    assert [o[0] for o in greedy(small, prompts)] == alone and small.scheduler.stats.num_preemptions > 0

@@ -9,7 +9,9 @@ bases, pre- and post-norms around attention and MLP, GeGLU MLP, scaled tied embe
     logits = embed^T(rmsnorm(h))
 
 GGUF files store Gemma's RMSNorm weights already offset (w + 1), so every norm here is a
-plain multiply.
+plain multiply. With a quantized KV cache the q/k norm weights carry the key smoothing
+(loom/model/kv_dtypes/smoothing.py): k is stored divided by a fixed per-channel factor, q is
+scaled by it, the scores are unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.model.config import ModelConfig
-from loom.model.kv_dtypes import format_of
+from loom.model.kv_dtypes import KVFormat, format_of, key_smoothing
 from loom.model.layers.attention import AttentionMetadata, paged_attention, paged_attention_stored
 from loom.model.layers.linear import PRE_GEGLU, PRE_RMSNORM, LinearBackend, fused_kernels, make_linear, output_logits
 from loom.model.layers.norm import rms_norm
@@ -43,6 +45,17 @@ class Gemma3Layer:
     gate_up: LinearBackend
     down: LinearBackend
     post_ffn_norm: torch.Tensor
+    q_norm_kv: torch.Tensor | None = None   # q_norm * s, k_norm / s: for quantized KV caches
+    k_norm_kv: torch.Tensor | None = None
+
+    def __post_init__(self):
+        s = key_smoothing(self.q_norm, self.k_norm)                       # [Dh]
+        self.q_norm_kv = (self.q_norm * s).to(self.q_norm.dtype)
+        self.k_norm_kv = (self.k_norm / s).to(self.k_norm.dtype)
+
+    def qk_norms(self, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k norm weights for a KV cache in format `fmt`."""
+        return (self.q_norm_kv, self.k_norm_kv) if fmt.smooth_keys else (self.q_norm, self.k_norm)
 
 
 class Gemma3ForCausalLM:
@@ -93,12 +106,14 @@ class Gemma3ForCausalLM:
         h = self.embed[input_ids] * self.embed_scale                       # [T, D]
         rope = {True: self.rope_local.tables(positions, self.dtype),
                 False: self.rope_global.tables(positions, self.dtype)}     # [T, 1, Dh] each
+        fmt = format_of(kv_caches[0][0], Dh)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             cos, sin = rope[layer.sliding]
+            q_norm, k_norm = layer.qk_norms(fmt)
             qkv = layer.qkv(rms_norm(h, layer.attn_norm, eps))             # [T, (H + 2Hkv) * Dh]
             q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-            q = apply_rope(rms_norm(q.view(T, H, Dh), layer.q_norm, eps), cos, sin)    # [T, H, Dh]
-            k = apply_rope(rms_norm(k.view(T, Hkv, Dh), layer.k_norm, eps), cos, sin)  # [T, Hkv, Dh]
+            q = apply_rope(rms_norm(q.view(T, H, Dh), q_norm, eps), cos, sin)    # [T, H, Dh]
+            k = apply_rope(rms_norm(k.view(T, Hkv, Dh), k_norm, eps), cos, sin)  # [T, Hkv, Dh]
             window = cfg.sliding_window if layer.sliding else None
             o = paged_attention(q, k, v.view(T, Hkv, Dh), k_cache, v_cache, meta, cfg.attn_scale, window)
             h = h + rms_norm(layer.o(o), layer.post_attn_norm, eps)
@@ -114,12 +129,12 @@ class Gemma3ForCausalLM:
         top = int(positions.max()) + 1 if positions.numel() else 0
         self.rope_local.ensure(top)
         self.rope_global.ensure(top)
-        fmt = format_of(kv_caches[0][0], cfg.head_dim).kernel_id   # the cache's row format
+        fmt = format_of(kv_caches[0][0], cfg.head_dim)   # the cache's row format
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             rope = self.rope_local if layer.sliding else self.rope_global
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
-                            H, Hkv, layer.q_norm, layer.k_norm, eps, fmt)
+                            H, Hkv, *layer.qk_norms(fmt), eps, fmt.kernel_id)
             window = cfg.sliding_window if layer.sliding else None
             o = paged_attention_stored(qkv, H, k_cache, v_cache, meta, cfg.attn_scale, window, kern)
             kern.add_rmsnorm(h, layer.o(o), layer.post_attn_norm, eps)

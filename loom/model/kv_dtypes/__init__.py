@@ -5,6 +5,9 @@
     int8      Hadamard rotation, int8 codes, one scale a row        D + 2 bytes
     int4      Hadamard rotation, 4-bit codes, a scale per 32        D/2 + D/16 bytes
 
+The quantized formats also ask a model with per-head q/k norms to store its keys divided by a
+fixed per-channel factor and to scale its queries by it (smoothing.py): no extra bytes.
+
 A row is one slot's key or value for one kv head. The kernels read every format directly from
 the cache, 16 keys at a time (loom/kernels/csrc/loom_kernels_kv.h); the torch path decodes the
 rows it gathers. A new format is one file here, one entry in FORMATS and its row type in the
@@ -20,11 +23,12 @@ from loom.model.kv_dtypes.base import KVFormat, hadamard
 from loom.model.kv_dtypes.int4 import INT4
 from loom.model.kv_dtypes.int8 import INT8
 from loom.model.kv_dtypes.plain import FLOAT16, FLOAT32
+from loom.model.kv_dtypes.smoothing import key_smoothing
 
 FORMATS: dict[str, KVFormat] = {f.name: f for f in (FLOAT32, FLOAT16, INT8, INT4)}
 assert set(FORMATS) | {"auto"} == set(KV_CACHE_DTYPES), "CacheConfig's names are the formats here"
 
-__all__ = ["FORMATS", "KVFormat", "format_of", "hadamard", "kv_format"]
+__all__ = ["FORMATS", "KVFormat", "format_of", "hadamard", "key_smoothing", "kv_format"]
 
 
 def kv_format(choice: str | torch.dtype | KVFormat, kernels: bool = False, head_dim: int | None = None) -> KVFormat:

@@ -17,6 +17,7 @@ class KVFormat:
     kernel_id: int          # the kernels' kv_format argument
     storage: torch.dtype    # element type of the cache tensors [slots, kv_heads, row_size(D)]
     group: int = 16         # head_dim must be a multiple of this
+    smooth_keys: bool = False   # models with q/k norms store k / s, read q * s (smoothing.py)
 
     def row_size(self, head_dim: int) -> int:
         """Elements of `storage` per row."""

@@ -36,4 +36,4 @@ class Int4Rows(KVFormat):
         return hadamard((c * d.unsqueeze(-1)).reshape(*rows.shape[:-1], D))
 
 
-INT4 = Int4Rows("int4", 2, torch.uint8, group=32)
+INT4 = Int4Rows("int4", 2, torch.uint8, group=32, smooth_keys=True)

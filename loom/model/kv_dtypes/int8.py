@@ -29,4 +29,4 @@ class Int8Rows(KVFormat):
         return hadamard(rows[..., :D].view(torch.int8).float() * d)
 
 
-INT8 = Int8Rows("int8", 1, torch.uint8)
+INT8 = Int8Rows("int8", 1, torch.uint8, smooth_keys=True)
