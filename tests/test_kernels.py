@@ -184,8 +184,12 @@ def test_apply_bitmask_forbids_exactly_the_clear_bits(vocab):
     bits = ((mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()
     want = logits.masked_fill(~bits, float("-inf"))
     got = logits.clone()
-    kern.apply_bitmask(got, mask)
+    admits = kern.apply_bitmask(got, mask)
     assert torch.equal(got, want)
+    assert admits == bits.any(dim=1).tolist() and admits[0] is False   # row 0: no token
+    tail = torch.zeros(1, words, dtype=torch.int32)
+    tail[0, -1] = -1 << (vocab % 32) if vocab % 32 else 0        # bits past the vocabulary only
+    assert kern.apply_bitmask(logits[:1].clone(), tail) == [False]
     assert torch.isneginf(got[0]).all() and torch.equal(got[1], logits[1])
     with pytest.raises(RuntimeError, match="mask must be an int32"):
         kern.apply_bitmask(logits, mask[:, :1].contiguous())

@@ -105,8 +105,9 @@ class GrammarBackend(ABC):
             m.fill_mask(mask, row)
 
     @abstractmethod
-    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        """Sets the logits of disallowed tokens to -inf, in place; rows correspond."""
+    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> list[bool]:
+        """Sets the logits of disallowed tokens to -inf, in place; rows correspond. Returns
+        whether each row's mask admits at least one token."""
 
 
 BACKENDS: dict[str, Callable[[VocabInfo], GrammarBackend]] = {}

@@ -23,6 +23,7 @@ class StructuredOutputs:
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._mask: torch.Tensor | None = None    # [rows, V / 32] int32, reused by mask_rows / mask_tree
+        self._views: dict[int, torch.Tensor] = {}   # its first rows, by count (slicing costs more than a lookup)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -62,20 +63,18 @@ class StructuredOutputs:
 
         One bitmask [R, V / 32] int32, kept between steps, holds every row: the constrained ones
         filled by the backend in one call, the others all ones (the kernel skips a word of ones),
-        so a mixed batch is masked in place without copying its rows out and back. Rows that
-        admit nothing are read from the bitmask with numpy (32 times less to scan than the
-        logits, and no torch thread pool woken for a few microseconds' work)."""
+        so a mixed batch is masked in place without copying its rows out and back. Which rows
+        admit nothing comes from the backend's mask step (loom's kernel notes it while it reads
+        each row's words), with no second pass over the bitmask."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return []
         mask = self._bitmask(logits.shape[0])
         self.backend.fill_masks([matchers[i] for i in rows], mask, rows)
-        words = mask.numpy()
         if len(rows) < len(matchers):
-            words[[i for i, m in enumerate(matchers) if m is None]] = -1     # every token allowed
-        self.backend.apply_mask(logits, mask)
-        empty = ~words.any(axis=1)                                          # free rows: never empty
-        return [i for i in rows if empty[i]]
+            mask.numpy()[[i for i, m in enumerate(matchers) if m is None]] = -1     # every token allowed
+        admits = self.backend.apply_mask(logits, mask)                  # free rows: always
+        return [i for i in rows if not admits[i]]
 
     def _bitmask(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the reused bitmask (grown on demand); its callers overwrite
@@ -83,7 +82,11 @@ class StructuredOutputs:
         have = 0 if self._mask is None else self._mask.shape[0]
         if have < rows:
             self._mask = self.backend.allocate_mask(max(rows, 2 * have))
-        return self._mask[:rows]
+            self._views = {}
+        view = self._views.get(rows)
+        if view is None:
+            view = self._views[rows] = self._mask[:rows]
+        return view
 
     def mask_tree(self, logits: torch.Tensor, matcher: GrammarMatcher, tokens: tuple[int, ...],
                   parents: tuple[int, ...]) -> list[bool]:

@@ -166,12 +166,13 @@ class XGrammarBackend(GrammarBackend):
         else:   # some other GrammarMatcher among them: row by row
             super().fill_masks(matchers, mask, rows)
 
-    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> list[bool]:
         """loom's kernel where it can (float32 rows; a whole word of forbidden tokens is one
-        run of vector stores), else xgrammar's own; both give the same logits."""
+        run of vector stores; it tells which rows admit a token while it reads their words),
+        else xgrammar's own; both give the same logits."""
         kern = kernels.load()
         if (kern is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
                 and logits.shape[1] == self.vocab.vocab_size):
-            kern.apply_bitmask(logits, mask)
-        else:
-            self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab.vocab_size)
+            return kern.apply_bitmask(logits, mask)      # list of bool, one per row
+        self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab.vocab_size)
+        return mask.numpy().any(axis=1).tolist()

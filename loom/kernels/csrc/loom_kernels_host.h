@@ -175,23 +175,29 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
 // of the row's bitmask [R, >= V / 32] int32 is clear (xgrammar's token bitmask). A word of
 // zeros (most of them where a grammar admits few tokens) is 32 vector-stored -infs, a word of
 // ones is skipped: the same result as xgrammar's element-by-element kernel, without its 1.5 M
-// branches per step for 32 rows of a 49k vocabulary.
-void apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
+// branches per step for 32 rows of a 49k vocabulary. Returns, per row, whether it admits at
+// least one token (the caller ends a request whose grammar admits none); a Python list, not a
+// tensor: a step with one constrained row should not pay for a tensor's allocation.
+std::vector<bool> apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
   check_f32_rows(logits, "logits");
   TORCH_CHECK(mask.scalar_type() == torch::kInt32 && mask.dim() == 2 && mask.stride(1) == 1 &&
               mask.size(0) == logits.size(0) && mask.size(1) * 32 >= logits.size(1),
               "mask must be an int32 [rows, >= V / 32] tensor");
   const int64_t R = logits.size(0), V = logits.size(1), ldl = logits.stride(0), ldm = mask.stride(0);
+  std::vector<uint8_t> admits(R, 0);   // bytes: rows are written from several threads
   float* lp = logits.data_ptr<float>();
   const int32_t* mp = mask.data_ptr<int32_t>();
+  uint8_t* ap = admits.data();
   const auto neg = Isa::set1(-INFINITY);
   at::parallel_for(0, R, R < 8 ? R : 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = lp + r * ldl;
       const int32_t* words = mp + r * ldm;
+      uint32_t seen = 0;
       for (int64_t w = 0; w * 32 < V; ++w) {
-        const uint32_t bits = (uint32_t)words[w];
         const int64_t v0 = w * 32, n = std::min<int64_t>(32, V - v0);
+        const uint32_t bits = (uint32_t)words[w];
+        seen |= n == 32 ? bits : bits & ((1u << n) - 1);
         if (bits == 0xFFFFFFFFu) continue;
         if (bits == 0 && n == 32) {
           for (int64_t j = 0; j < 32; j += Isa::W) Isa::store(row + v0 + j, neg);
@@ -200,8 +206,10 @@ void apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
         for (int64_t j = 0; j < n; ++j)
           if (!((bits >> j) & 1u)) row[v0 + j] = -INFINITY;
       }
+      ap[r] = seen != 0;
     }
   });
+  return std::vector<bool>(admits.begin(), admits.end());
 }
 
 // The output layer's top logits again in float32 (refine_row, loom_kernels_loops.h): logits
@@ -300,5 +308,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("refine_logits_q8_0", &loom::refine_logits_q8_0, "refine_logits from a Q8_0 table's rows");
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
-  m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place");
+  m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "
+        "returns which rows admit a token");
 }
