@@ -181,8 +181,9 @@ def tpot(outs) -> float:
     return statistics.mean(per) * 1e3 if per else float("nan")
 
 
-def tpot_runs(llm: LLM, jump: LLM, schemas: list[dict], max_tokens: int) -> dict[str, float]:
-    """TPOT ms of the same requests constrained, unconstrained (same lengths), jump-forward."""
+def tpot_runs(llm: LLM, jump: LLM, auto: LLM, schemas: list[dict], max_tokens: int) -> dict[str, float]:
+    """TPOT ms of the same requests constrained, unconstrained (same lengths), jump-forward forced
+    (every forced run drafted) and jump-forward under the controller's cost model (the default)."""
     prompts = [prompt_text(llm, s) for s in schemas]
     cons = [SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs={"json": s}) for s in schemas]
     first = llm.generate(prompts, cons, use_tqdm=False)
@@ -190,7 +191,7 @@ def tpot_runs(llm: LLM, jump: LLM, schemas: list[dict], max_tokens: int) -> dict
     free = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     result = {"tokens": sum(lengths)}
     for label, engine, params in (("free", llm, free), ("constrained", llm, cons), ("jump", jump, cons),
-                                  ("free2", llm, free)):
+                                  ("auto", auto, cons), ("free2", llm, free)):
         result[label] = tpot(engine.generate(prompts, params, use_tqdm=False))
     result["free"] = min(result.pop("free2"), result["free"])   # bracketed: the machine's drift
     return result
@@ -270,6 +271,8 @@ def main() -> None:
     llm = LLM(args.model, max_num_seqs=max(args.concurrency, 8), num_blocks=2048)
     jump = LLM(args.model, max_num_seqs=max(args.concurrency, 8), num_blocks=2048,
                speculative_config={"method": "grammar", "adaptive": False}) if args.tpot else None
+    auto = LLM(args.model, max_num_seqs=max(args.concurrency, 8), num_blocks=2048,
+               speculative_config={"method": "grammar"}) if args.tpot else None
     sets = {name: load(name)[:args.schemas or None] for name in SETS}
     raw: dict = {"model": args.model}
     lines, compiled = compile_table(llm, sets, not args.no_peers)
@@ -294,31 +297,33 @@ def main() -> None:
         print(out[-1], raw[name], flush=True)
     print("\n".join(out), flush=True)
     if args.tpot:
-        tpot_table(llm, jump, compiled, args, peer_tpot, raw)
+        tpot_table(llm, jump, auto, compiled, args, peer_tpot, raw)
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1, default=str))
 
 
-def tpot_table(llm: LLM, jump: LLM, compiled: dict[str, list[dict]], args, peer_tpot: dict, raw: dict) -> None:
+def tpot_table(llm: LLM, jump: LLM, auto: LLM, compiled: dict[str, list[dict]], args, peer_tpot: dict, raw: dict) -> None:
     mixed = [s for group in zip(*compiled.values()) for s in group]
-    rows = ["| concurrent | tokens | unconstrained ms | constrained ms | overhead | jump-forward ms "
-            "| vs unconstrained |",
-            "|---:|---:|---:|---:|---:|---:|---:|"]
-    singles = [tpot_runs(llm, jump, [s], args.tpot_tokens) for s in mixed[:args.tpot]]
-    batch = tpot_runs(llm, jump, mixed[:args.concurrency], args.tpot_tokens)
+    rows = ["| concurrent | tokens | unconstrained ms | constrained ms | overhead | jump-forward forced ms "
+            "| vs unconstrained | jump-forward, cost model ms | vs unconstrained |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    tpot_runs(llm, jump, auto, mixed[:args.concurrency], args.tpot_tokens)   # warm-up: every engine, this batch
+    singles = [tpot_runs(llm, jump, auto, [s], args.tpot_tokens) for s in mixed[:args.tpot]]
+    batch = tpot_runs(llm, jump, auto, mixed[:args.concurrency], args.tpot_tokens)
     one = {k: statistics.mean(r[k] for r in singles) for k in singles[0]}
     for c, r in ((1, one), (args.concurrency, batch)):
         raw[f"tpot_{c}"] = r
         rows.append(f"| {c} | {r['tokens']:.0f} | {r['free']:.1f} | {r['constrained']:.1f} | "
                     f"{100 * (r['constrained'] / r['free'] - 1):+.1f}% | {r['jump']:.1f} | "
-                    f"{100 * (r['jump'] / r['free'] - 1):+.1f}% |")
+                    f"{100 * (r['jump'] / r['free'] - 1):+.1f}% | {r['auto']:.1f} | "
+                    f"{100 * (r['auto'] / r['free'] - 1):+.1f}% |")
     if peer_tpot["tpot_con"]:
         con, free = statistics.mean(peer_tpot["tpot_con"]), statistics.mean(peer_tpot["tpot_free"])
         raw["llama_tpot_1"] = {"free": free, "constrained": con}
         rows.append(f"| 1 (llama.cpp) | - | {free:.1f} | {con:.1f} | {100 * (con / free - 1):+.1f}% | - | - |")
     print("\n".join(rows), flush=True)
-    raw["jump_stats"] = vars(jump.engine.spec.stats)
-    print(raw["jump_stats"])
+    raw["jump_stats"], raw["auto_stats"] = vars(jump.engine.spec.stats), vars(auto.engine.spec.stats)
+    print("forced:", raw["jump_stats"], "cost model:", raw["auto_stats"])
 
 
 if __name__ == "__main__":
