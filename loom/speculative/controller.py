@@ -45,6 +45,7 @@ IDLE_REPLAN = 4        # after a plan without drafts, the next full plan at that
 MARGIN = 0.05          # drafting must promise this much more speed than plain decoding
 COST_EMA = 0.2
 CONTEXT_BUCKET = 64   # contexts this close share a memoised cost
+MEMO_REFRESH = 16     # observed steps between recomputations of the memoised costs
 
 
 class _Curve:
@@ -107,7 +108,8 @@ class CostModel:
     def __init__(self):
         self.learned = _Curve()
         self.calib: dict[int, _Curve] = {}          # context length -> calibrated curve
-        self._memo: dict[tuple[int, int, int], float] = {}   # cost() until the next observation
+        self._memo: dict[tuple[int, int, int], float] = {}   # cost(), until a new point or MEMO_REFRESH steps
+        self._observed = 0
 
     @property
     def rows(self) -> dict[int, dict[int, float]]:
@@ -120,7 +122,14 @@ class CostModel:
             self.learned.put(batch, extra, seconds)
 
     def observe(self, batch: int, extra: int, seconds: float) -> None:
-        self._memo.clear()
+        """A timed step. Every step is observed, and the plan asks for costs every step: the
+        memoised costs are recomputed when a new (B, X) point appears and every MEMO_REFRESH
+        observations, not after each one (an average moving by COST_EMA per step changes a plan
+        only over many steps; recomputing every step was most of a batch-1 plan's time)."""
+        self._observed += 1
+        if extra not in self.learned.rows.get(batch, {}) or self._observed >= MEMO_REFRESH:
+            self._memo.clear()
+            self._observed = 0
         self.learned.put(batch, extra, seconds, COST_EMA)
 
     def cost(self, batch: int, extra: int, context: int = 0) -> float:
