@@ -492,3 +492,25 @@ def test_the_draft_budget_goes_to_the_rows_most_accepted_and_shrinks_to_zero_whe
     assert totals[1] > 0 and totals[2] > 0
     assert totals[16] == 0
     assert all(totals[a] >= totals[b] for a, b in ((1, 4), (4, 8), (8, 16)))
+
+
+def test_the_search_backs_off_further_while_its_plans_keep_drafting_nothing():
+    from loom.speculative.controller import IDLE_MAX, IDLE_REPLAN
+
+    ctl = SpecController(8, depth=lambda k: k)
+    ctl.cost.observe(1, 0, 0.010)
+    ctl.cost.observe(1, 8, 0.100)           # drafts cost as much as whole steps: no drafts
+    full_plans, skipped, calls = [], 0, 0
+    searched = ctl._idle_plans               # plans left to skip, per batch size
+    while calls < 200:
+        before = searched.get(1, 0)
+        assert ctl.plan(["a"], 1, [8], 0.0)[0] <= 1      # a one-node probe every PROBE_EVERY steps
+        calls += 1
+        if before == 0:
+            full_plans.append(calls)
+    gaps = [b - a for a, b in zip(full_plans, full_plans[1:])]
+    assert gaps[:4] == [IDLE_REPLAN, 2 * IDLE_REPLAN, 4 * IDLE_REPLAN, IDLE_MAX]
+    assert set(gaps[4:]) == {IDLE_MAX}
+    for _ in range(30):
+        ctl.cost.observe(1, 8, 0.0101)      # drafts became almost free: found within IDLE_MAX steps
+    assert any(sum(ctl.plan(["a"], 1, [8], 0.0)) > 1 for _ in range(IDLE_MAX))

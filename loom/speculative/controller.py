@@ -26,8 +26,9 @@ if it beats plain decoding by MARGIN (estimates are noisy; a wrong guess must no
 When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
 and the step runs plain decoding. A sequence left without drafts is offered a one-node
 probe every PROBE_EVERY x batch steps so that its estimate can recover. After a plan without
-drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run):
-where drafting does not pay, the search is most of speculation's cost.
+drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run),
+twice as many after each further plan without drafts, up to IDLE_MAX - 1: where drafting does
+not pay, the search is most of speculation's cost.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ PRIOR_WEIGHT = 2.0
 PROBE_EVERY = 16
 PATIENCE = 8           # increments without a better objective (at least; one per sequence) before the search stops
 IDLE_REPLAN = 4        # after a plan without drafts, the next full plan at that batch size is 4 steps on
+IDLE_MAX = 32          # ... 8, 16, then 32 steps on while the plans keep drafting nothing
 MARGIN = 0.05          # drafting must promise this much more speed than plain decoding
 COST_EMA = 0.2
 CONTEXT_BUCKET = 64   # contexts this close share a memoised cost
@@ -181,6 +183,7 @@ class SpecController:
         self.max_nodes, self._depth_of, self.adaptive = max_nodes, depth, adaptive
         self._depths: dict[int, int] = {}
         self._idle_plans: dict[int, int] = {}   # batch -> plans left to skip after one that drafted nothing
+        self._idle_streak: dict[int, int] = {}  # batch -> full plans in a row that drafted nothing
         self.cost = CostModel()
         self.rates: dict[str, _Rate] = {}
         self.total = _Rate()
@@ -246,7 +249,9 @@ class SpecController:
         sizes = [0] * len(req_ids)
         for i, k, _ in steps[:best_at]:
             sizes[i] = k
-        self._idle_plans[batch] = 0 if best_at else IDLE_REPLAN - 1
+        streak = 0 if best_at else self._idle_streak.get(batch, 0) + 1
+        self._idle_streak[batch] = streak
+        self._idle_plans[batch] = min(IDLE_REPLAN << (streak - 1), IDLE_MAX) - 1 if streak else 0
         return self._probe(req_ids, sizes, caps, batch)
 
     def _push(self, heap, i: int, k: int, a: float, cap: int) -> None:
