@@ -1,0 +1,63 @@
+"""Rate of loom's quantized GEMM kernel per layer shape and batch size, in multiply-adds per second.
+
+    .venv/bin/python benchmarks/gemm_rate.py [--threads 1] [--rows 1,8,32]   # LOOM_KERNELS=avx2 for the other variant
+
+SmolLM2-135M's shapes (4-bit projections, the 8-bit tied output matrix), packed weights of random
+codes with float16 scales of 0.01 (the kernel's time does not depend on the values); best of 5
+timed runs of enough calls to take ~0.1 s. Compare with the CPU's integer dot-product peak
+(benchmarks/vnni_peak.cpp) to see how far the kernel is from the instruction's limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from loom import kernels
+
+SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "down": (576, 1536, 4),
+          "output": (49152, 576, 8)}
+
+
+def packed(n: int, k: int, bits: int) -> torch.Tensor:
+    """Blocks of 16 output rows x 32 inputs: codes, then 2 x 16 float16 scales (a, b)."""
+    blocks, code = (n + 15) // 16 * (k // 32), 256 if bits == 4 else 512
+    w = torch.randint(0, 256, (blocks, code + 64), dtype=torch.uint8)
+    w[:, code:] = torch.full((blocks, 32), 0.01, dtype=torch.float16).view(torch.uint8)
+    return w.reshape(-1).contiguous()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="1,8,32", help="activation rows (the batch), comma-separated")
+    args = ap.parse_args()
+    kern = kernels.load()
+    if kern is None:
+        raise SystemExit(f"loom kernels unavailable: {kernels.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    rows = [int(m) for m in args.rows.split(",")]
+    print(f"kernels {kernels.variant()}, {args.threads} thread(s); GMAC/s per call (best of 5)")
+    print("| layer (N x K, bits) | " + " | ".join(f"M = {m}" for m in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for name, (n, k, bits) in SHAPES.items():
+        w, cells = packed(n, k, bits), []
+        for m in rows:
+            x, out = torch.randn(m, k), torch.empty(m, n)
+            call = lambda: kern.qgemm(x, w, n, k, bits, True, 0, None, 0.0, out, False)  # noqa: E731
+            for _ in range(3):
+                call()
+            reps, best = max(3, int(1e8 / (n * k * m))), float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    call()
+                best = min(best, (time.perf_counter() - t) / reps)
+            cells.append(f"{n * k * m / best / 1e9:.0f} ({best * 1e6:.0f} us)")
+        print(f"| {name} ({n} x {k}, {bits}) | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
