@@ -41,9 +41,10 @@ def start(name: str, model, log_dir, *extra: str) -> LoomServer:
 
 
 def engine_children(server: LoomServer) -> list[psutil.Process]:
-    """The server's engine-core process (its spawned child that is not the resource tracker)."""
+    """The server's engine-core process: the child of multiprocessing's fork server (the server's
+    other helpers are that fork server and the resource tracker)."""
     kids = psutil.Process(server.process.pid).children(recursive=True)
-    return [p for p in kids if "spawn_main" in " ".join(p.cmdline())]
+    return [p for p in kids if "forkserver" in " ".join(p.parent().cmdline())]
 
 
 # -- the wire format ---------------------------------------------------------------------------
@@ -171,5 +172,24 @@ def test_in_process_engine_still_serves(long_model, tmp_path) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         stats = httpx.get(f"{server.url}/v1/loom/stats", timeout=10).json()
         assert stats["generation_tokens"] >= 5
+    finally:
+        server.stop()
+
+
+def test_a_killed_front_end_leaves_no_process_behind(long_model, tmp_path) -> None:
+    """SIGKILL gives the front end no chance to stop anything: the engine process (forked by the
+    fork server, not by the front end) sees the front end's pidfd close and ends itself, and the
+    fork server and resource tracker follow."""
+    server = start("front-killed", long_model, tmp_path)
+    try:
+        kids = psutil.Process(server.process.pid).children(recursive=True)
+        assert engine_children(server)
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))   # the engine is busy
+            server.process.kill()
+        server.process.wait(timeout=30)
+        gone, alive = psutil.wait_procs(kids, timeout=15)
+        assert not alive, f"left behind: {[(p.pid, p.cmdline()[-1][:60]) for p in alive]}"
     finally:
         server.stop()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import pickle
 import shutil
 import tempfile
@@ -56,6 +57,16 @@ log = logging.getLogger("loom.server")
 
 STARTUP_POLL_MS = 200
 SHUTDOWN_GRACE_S = 5.0
+
+
+def engine_process_context():
+    """How engine processes start: forked from multiprocessing's fork server, a clean process
+    (no thread pools, no sockets) that has imported the engine once (`loom serve` starts it early,
+    see loom/cli.py). A plain fork of this process could inherit a used OpenMP pool, which a
+    forked child cannot use; a spawned one imports torch and the engine anew, ~1.5 s, every time."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([run_engine_core.__module__])
+    return ctx
 
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in vars(loom_errors).values()
@@ -154,9 +165,9 @@ class ProcessEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.error: BaseException | None = None
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_engine_core, name="loom-engine-core", daemon=True,
-                                     args=(config, self._input_addr, self._output_addr, log_level))
+        self.process = engine_process_context().Process(
+            target=run_engine_core, name="loom-engine-core", daemon=True,
+            args=(config, self._input_addr, self._output_addr, log_level, os.getpid()))
         self.process.start()
         try:  # the tokenizer loads here while the engine process loads the model
             self.tokenizer = Tokenizer.from_gguf(GGUFFile.open(resolve_model(config.load.model)))

@@ -9,17 +9,20 @@ the engine, says `Ready` (or `Failed`), then loops:
 
 so the front end receives one message per step, whatever the batch size. The process
 ignores SIGINT (the front end owns the terminal and stops it with `Shutdown`), and dies with
-its parent (PR_SET_PDEATHSIG, plus a parent check while idle): no orphans.
+the front end, whichever process forked it (a thread waits on the front end's pidfd and sends
+this process SIGTERM when it exits, as PR_SET_PDEATHSIG would for a parent): no orphans.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
+import time
 
 import zmq
 
@@ -32,7 +35,7 @@ from loom.server.metrics import read_engine_sample
 log = logging.getLogger("loom.engine_core")
 
 IDLE_POLL_MS = 500
-PR_SET_PDEATHSIG = 1
+FRONT_CHECK_S = 0.5
 
 
 class EngineCore:
@@ -44,7 +47,6 @@ class EngineCore:
         self.outputs = outputs
         self.decoder = wire.input_decoder()
         self.encoder = wire.output_encoder()
-        self.parent = os.getppid()
         self.running = True
 
     def run(self) -> None:
@@ -53,8 +55,6 @@ class EngineCore:
             errors: list[wire.RequestError] = []
             busy = self.engine.has_unfinished_requests()
             if not busy and not self.inputs.poll(IDLE_POLL_MS):
-                if os.getppid() != self.parent:  # the front end is gone
-                    return
                 continue
             self._drain(pending_out, errors)
             if self.running and self.engine.has_unfinished_requests():
@@ -101,17 +101,44 @@ class EngineCore:
         self.outputs.send(self.encoder.encode(msg), copy=False)
 
 
-def _die_with_parent() -> None:
+def _die_with(front_pid: int) -> None:
+    """SIGTERM to this process when `front_pid` exits (the engine process is forked from
+    multiprocessing's fork server, so the front end is not its parent and PR_SET_PDEATHSIG, which
+    follows the parent, does not apply). Where pidfds are missing (not Linux 5.3+) the thread
+    checks the process every FRONT_CHECK_S instead."""
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(front_pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _alive(front_pid):
+                time.sleep(FRONT_CHECK_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    if not _alive(front_pid):
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, name="loom-front-end-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the idle parent check remains
-        pass
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "info") -> None:
-    """Entry point of the engine-core process (see the module docstring)."""
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str = "info",
+                    front_pid: int | None = None) -> None:
+    """Entry point of the engine-core process (see the module docstring); `front_pid`: the
+    front end's process (default: the parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    _die_with(front_pid if front_pid is not None else os.getppid())
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context(1)
     inputs = ctx.socket(zmq.PULL)
