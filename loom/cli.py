@@ -354,22 +354,22 @@ def serve(
         from loom.cluster.launch import run_cluster
 
         return run_cluster(config, cluster, **front)
+    _serve_here(config, engine_process, front)
+
+
+def _serve_here(config, engine_process: bool, front: dict[str, Any]) -> None:
+    """One server on this machine. With an engine process, first the fork server it is forked
+    from (`ProcessEngineClient` uses it): that process imports the engine now, while this one
+    imports the HTTP front end, so the two imports (~1.5 s each) overlap."""
     if engine_process:
-        _start_engine_forkserver()
+        import multiprocessing
+        import multiprocessing.forkserver
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["loom.server.engine_core"])
+        multiprocessing.forkserver.ensure_running()
     from loom.server import run_server
 
     run_server(config, engine_process=engine_process, **front)
-
-
-def _start_engine_forkserver() -> None:
-    """Starts the process the engine process is forked from (`ProcessEngineClient` uses it), which
-    imports the engine now, while this process imports the HTTP front end: the two imports (~1.5 s
-    each) overlap instead of following each other."""
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["loom.server.engine_core"])
-    multiprocessing.forkserver.ensure_running()
 
 
 def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router,
