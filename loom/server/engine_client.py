@@ -68,6 +68,7 @@ def engine_process_context():
     ctx.set_forkserver_preload([run_engine_core.__module__])
     return ctx
 
+
 _ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in vars(loom_errors).values()
     if isinstance(cls, type) and issubclass(cls, LoomError)}
