@@ -169,6 +169,7 @@ def test_slow_points_are_timed_again_or_clipped_to_the_grid_order():
 def test_calibration_is_cached_per_key_and_reused_without_timing(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration.kernels, "variant", lambda: "avx2")   # no kernel build in an empty cache
+    monkeypatch.setattr(calibration.kernels, "build_key", lambda: "kernels-1")
     identity = {"model": "abc", "linear": "exact", "kv_dtype": "float32", "block_size": 16}
     first = Timer({})
     times = calibrated(first, GRID, identity, 50, 16)
@@ -178,6 +179,11 @@ def test_calibration_is_cached_per_key_and_reused_without_timing(tmp_path, monke
     other = Timer({})      # another model: timed afresh
     calibrated(other, GRID, identity | {"model": "def"}, 50, 16)
     assert other.calls > 0
+    monkeypatch.setattr(calibration.kernels, "build_key", lambda: "kernels-2")
+    rebuilt = Timer({})    # the same model on kernels built from other sources: timed afresh
+    calibrated(rebuilt, GRID, identity, 50, 16)
+    assert rebuilt.calls > 0
+    monkeypatch.setattr(calibration.kernels, "build_key", lambda: "kernels-1")
     for f in (tmp_path / "costs").glob("*.json"):
         f.write_text("{not json")
     broken = Timer({})     # a damaged file is timed again and rewritten

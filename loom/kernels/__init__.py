@@ -168,6 +168,13 @@ def variant() -> str | None:
     return _variant if load() is not None else None
 
 
+def build_key() -> str | None:
+    """What the loaded module was built from (its sources, torch, the flags): the name of its
+    build directory, so that data measured on the kernels (the speculative cost model's timings)
+    can be keyed by it; None without a module."""
+    return _build_dir(_variant).name if load() is not None else None
+
+
 def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [R, k]: the indices of each row's k largest logits, largest first, as
     `logits.topk(k).indices` (ties: the lower index). loom's kernel where it runs: one vector

@@ -15,8 +15,9 @@ Cache. Timing the grid takes seconds, so the points are kept beside the packed w
     $LOOM_CACHE/costs/<sha256(key)[:24]>.json     {"key": {...}, "points": [[N, B, X, seconds], ...]}
 
 The key names what the times depend on: the model (GGUF sha256, from the engine), linear
-mode, KV dtype and block size, the kernel variant, the thread count, the CPU model, loom's
-version, the file format and the grid. A file whose key differs or does not parse is ignored
+mode, KV dtype and block size, the kernel variant and the sources it was built from (a change
+to the kernels times the grid again), the thread count, the CPU model, loom's version, the
+file format and the grid. A file whose key differs or does not parse is ignored
 and rewritten; an unwritable directory leaves loom calibrating at each start-up, said once.
 ``LOOM_COST_CACHE=0`` turns the cache off.
 """
@@ -118,8 +119,8 @@ def _cpu() -> str:
 
 
 def cache_key(identity: dict, grid: Grid) -> dict:
-    return identity | {"variant": kernels.variant(), "threads": torch.get_num_threads(), "cpu": _cpu(),
-                       "loom": loom_version(), "format": COST_FORMAT, "grid": asdict(grid)}
+    return identity | {"variant": kernels.variant(), "kernels": kernels.build_key(), "threads": torch.get_num_threads(),
+                       "cpu": _cpu(), "loom": loom_version(), "format": COST_FORMAT, "grid": asdict(grid)}
 
 
 def enabled() -> bool:
