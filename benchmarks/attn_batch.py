@@ -101,8 +101,10 @@ def main() -> None:
     # one thread: the calling thread's CPU time, which time slices lost to other processes do not count
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     times = {(key, which): [] for key, which, _ in cases}
+    flush = torch.zeros(64 << 20, dtype=torch.uint8)   # more than L3: no case starts on another's rows
     for _ in range(args.rounds):
         for key, which, fn in cases:
+            flush.add_(1)
             fn(args.layers - 1)   # with one layer: its caches warm for every case alike
             t = clock()
             for i in range(args.layers):

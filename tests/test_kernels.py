@@ -52,6 +52,14 @@ def test_the_built_variant_is_the_one_asked_for():
         assert kernels.variant() == os.environ["LOOM_KERNELS"]
 
 
+@needs_kernels
+def test_a_build_is_imported_under_a_name_of_its_own():
+    """Two builds of one variant (this tree's and another checkout's, as benchmarks/attn_batch.py
+    and step_ab.py compare them) must load as two modules: Python keeps one module per name."""
+    module = kernels.load()
+    assert module.__name__ == f"loom_kernels_{kernels.variant()}_{kernels.build_key()}"
+
+
 def test_loom_kernels_switch_names_the_choices_and_the_missing_flags(monkeypatch):
     avx2_only = frozenset({"avx2", "fma", "f16c"})
     monkeypatch.setattr(kernels, "cpu_flags", lambda: avx2_only)

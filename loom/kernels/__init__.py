@@ -115,7 +115,10 @@ def build(variant: str, verbose: bool = False):
     The build directory is keyed by the source's content, so a module already built there is
     imported directly (no compiler toolchain, no ninja run), unless a build holds its lock."""
     d = _build_dir(variant)
-    name = f"loom_kernels_{variant}"
+    # The module's name carries its build key: Python keeps one extension module per name, so
+    # two builds (a benchmark comparing this tree's kernels with another checkout's) would
+    # otherwise both be whichever was imported first.
+    name = f"loom_kernels_{variant}_{d.name}"
     built = d / f"{name}.so"
     if built.is_file() and not (d / "lock").exists():
         try:

@@ -501,13 +501,36 @@ LOOM_INLINE void scores_of(const float* qh, const float* buf, int64_t D, int64_t
   }
 }
 
+// A decode batch's cache rows come from memory (32 rows of a few hundred keys are more than L3)
+// in 16-slot blocks scattered over the cache, which the hardware prefetchers do not follow: the
+// QK loop asks for the key rows PF_BYTES of rows ahead of the ones it converts (one block of
+// SmolLM2's 128-byte rows, 4 keys of Gemma 3's 512-byte ones), and for the value rows of its
+// block, which PV reads after the softmax. Into L2 (T2): T0 requests, which hold an L1 miss
+// buffer each, stalled the loop at 5 GB/s of rows on Zen 4; T2 doubled the rate of SmolLM2's
+// 32-row batch (benchmarks/attn_batch.py). Prefetches change no arithmetic.
+constexpr int64_t PF_BYTES = 2048;
+
+// prefetch the rows at slots[0 .. n) of kv head kh of a cache
+template <class C>
+LOOM_INLINE void prefetch_rows(const PagedAttn<C>& a, const uint8_t* cache, const int64_t* slots, int64_t n,
+                               int64_t kh) {
+  for (int64_t r = 0; r < n; ++r) {   // every line the row touches (quantized rows are not aligned)
+    const uintptr_t p = (uintptr_t)a.row(cache, slots[r], kh);
+    for (uintptr_t line = p & ~(uintptr_t)63; line < p + a.rb; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T2);
+  }
+}
+
 // QK, shared keys of the part: every query, KB keys at a time
 template <class V, int NV, class C>
 void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
   const typename V::F sv = V::set1(a.scale);
   const int64_t D = head_dim<V, NV>(a), Ls = std::min(it.k1, it.P) - it.lo, G = a.H / a.Hkv;
+  const int64_t dk = std::max<int64_t>(1, PF_BYTES / a.rb);   // keys ahead
+  prefetch_rows(a, a.kc, it.shared_slots, std::min(Ls, dk), it.kh);
   for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
-    const int64_t mm = std::min<int64_t>(KB, Ls - l0);
+    const int64_t mm = std::min<int64_t>(KB, Ls - l0), ahead = l0 + dk;
+    if (ahead < Ls) prefetch_rows(a, a.kc, it.shared_slots + ahead, std::min<int64_t>(KB, Ls - ahead), it.kh);
+    prefetch_rows(a, a.vc, it.shared_slots + l0, mm, it.kh);
     shared_to_float<V, NV>(a, it, a.kc, l0, mm, it.kv);
     for (int64_t i = 0; i < it.m; ++i) {
       if (a.ctx[it.r0 + i / G] <= it.lo + l0) continue;   // keys past its row's context
