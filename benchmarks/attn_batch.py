@@ -6,7 +6,8 @@ With --before CHECKOUT, the kernels of that checkout (e.g. /work/main) are built
 same process as this tree's, their outputs checked to be bitwise equal, and both timed in
 interleaved rounds: the ratio before / after is the one number a shared machine keeps. A round
 calls each case once per layer, over that layer's own caches (8 layers by default: more than L3,
-so the rows come from memory as in a model's step); the fastest round is reported, in µs per
+so the rows come from memory as in a model's step; a 64 MB buffer is written before each case, so no case
+starts on rows the previous one left in L3); the fastest round is reported, in µs per
 layer call (of the thread's CPU time with one thread).
 
 Usage (from the repository root; PYTHONPATH=. so that this tree's loom is the one imported):
