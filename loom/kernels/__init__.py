@@ -120,15 +120,19 @@ def build(variant: str, verbose: bool = False):
     # otherwise both be whichever was imported first.
     name = f"loom_kernels_{variant}_{d.name}"
     built = d / f"{name}.so"
+    module = None
     if built.is_file() and not (d / "lock").exists():
         try:
-            return _import_built(name, built)
+            module = _import_built(name, built)
         except ImportError:
             pass   # an unusable file: build it again
-    from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
-    d.mkdir(parents=True, exist_ok=True)
-    return cpp_load(name=name, sources=[str(VARIANTS[variant][0])], build_directory=str(d),
-                    extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
+    if module is None:
+        from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
+        d.mkdir(parents=True, exist_ok=True)
+        module = cpp_load(name=name, sources=[str(VARIANTS[variant][0])], build_directory=str(d),
+                          extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
+    module.build_key = d.name   # what it was built from, as loaded (the sources may change later)
+    return module
 
 
 def load(verbose: bool = False):
@@ -175,7 +179,8 @@ def build_key() -> str | None:
     """What the loaded module was built from (its sources, torch, the flags): the name of its
     build directory, so that data measured on the kernels (the speculative cost model's timings)
     can be keyed by it; None without a module."""
-    return _build_dir(_variant).name if load() is not None else None
+    module = load()
+    return module.build_key if module is not None else None
 
 
 def topk_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
