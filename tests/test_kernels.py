@@ -236,31 +236,6 @@ def test_refine_top_computes_the_largest_logits_exactly(bits, fp16_scales):
 
 
 @needs_kernels
-def test_refine_from_q8_0_rows_equals_refine_from_the_packed_codes():
-    """A tied Q8_0 table's stored rows give the output layer's refinement the same values as the
-    packed codes of the same matrix (to float32 rounding), on the same entries."""
-    n, k = 517, 128
-    rng = np.random.default_rng(4)
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    raw = tiny_gguf.quantize(w, Q.Q8_0)                                  # [n, k / 32 * 34] bytes
-    rows = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1))
-    codes = exact_codes(raw, Q.Q8_0, w.shape)
-    lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
-    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1)) * 0.1     # logits ~ N(0, 1.1)
-    exact = x.double() @ torch.from_numpy(gguf_dequantize(raw, Q.Q8_0).reshape(n, k)).double().T
-    gemm = lin(x)
-    packed = lin.refine_top(x, gemm.clone(), 8.0, 40)
-    stored = gemm.clone()
-    lin.kern.refine_logits_q8_0(stored, x, rows, 8.0, 40)
-    changed = packed != gemm
-    assert changed.sum() >= 4 * 35 and torch.equal(stored != gemm, changed)
-    torch.testing.assert_close(stored[changed].double(), exact[changed], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(stored, packed, rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="Q8_0 rows"):
-        lin.kern.refine_logits_q8_0(stored, x, rows[:, :-1].contiguous(), 8.0, 40)
-
-
-@needs_kernels
 @pytest.mark.parametrize("vocab", [49152, 1000, 37])
 def test_topk_indices_are_torch_topk(vocab):
     """The kernel's top-k (drafters' observations): torch.topk's indices in its order on rows

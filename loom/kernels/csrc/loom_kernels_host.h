@@ -263,27 +263,6 @@ torch::Tensor topk_rows(torch::Tensor logits, int64_t k) {
   return out;
 }
 
-// refine_logits from the rows of a GGUF Q8_0 table [N, K / 32 * 34] uint8 (the tied embedding's
-// stored bytes) instead of the packed matrix
-void refine_logits_q8_0(torch::Tensor logits, torch::Tensor x, torch::Tensor table, double margin, int64_t cap) {
-  check_f32_rows(logits, "logits");
-  check_f32_rows(x, "x");
-  const int64_t R = logits.size(0), N = logits.size(1), K = x.size(1);
-  TORCH_CHECK(K % GROUP == 0 && x.size(0) == R, "logits must be [R, N] and x [R, K]");
-  TORCH_CHECK(table.scalar_type() == torch::kUInt8 && table.dim() == 2 && table.stride(1) == 1 && table.size(0) == N &&
-              table.size(1) == K / GROUP * Q8_0_BLOCK, "table must be uint8 [N, K / 32 * 34] (Q8_0 rows)");
-  TORCH_CHECK(cap >= 0 && margin >= 0, "margin and cap must be >= 0");
-  const int64_t ldl = logits.stride(0), ldx = x.stride(0), ldt = table.stride(0);
-  float* lp = logits.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* tp = table.data_ptr<uint8_t>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<Scored> cand;
-    for (int64_t r = r0; r < r1; ++r)
-      refine_row_q8_0<Isa>(lp + r * ldl, N, xp + r * ldx, K, tp, ldt, (float)margin, cap, cand);
-  });
-}
-
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
   check_f32_rows(h, "h");
   check_f32_rows(y, "y");
@@ -305,7 +284,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
         py::arg("kv_format") = 0, py::arg("first") = py::none());
   m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place");
-  m.def("refine_logits_q8_0", &loom::refine_logits_q8_0, "refine_logits from a Q8_0 table's rows");
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "

@@ -280,30 +280,6 @@ void largest_above(const float* row, int64_t N, float thr, int64_t cap, std::vec
   if ((int64_t)cand.size() > cap) keep_largest();
 }
 
-// <row of a GGUF Q8_0 table, x> in float32: K / 32 blocks of [float16 d][32 int8 q], w = d q.
-// The stored rows are contiguous (the packed layout spreads one row over 9 cache lines a group),
-// so the model's tied embedding table serves the output layer's refinement at a sixteenth of the
-// memory traffic.
-constexpr int64_t Q8_0_BLOCK = 34;
-
-template <class V>
-float q8_0_row_dot(const uint8_t* r, int64_t G, const float* x) {
-  typename V::F acc = V::zero();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* b = r + g * Q8_0_BLOCK;
-    at::Half d;
-    std::memcpy(&d, b, 2);
-    typename V::F dot = V::zero();
-    for (int j = 0; j < GROUP; j += 16) {
-      typename V::F q[16 / V::W];
-      V::i8x16_to_f(_mm_loadu_si128((const __m128i*)(b + 2 + j)), q);
-      for (int h = 0; h < 16 / V::W; ++h) dot = V::fma(q[h], V::load(x + g * GROUP + j + h * V::W), dot);
-    }
-    acc = V::fma(dot, V::set1((float)d), acc);
-  }
-  return V::hsum(acc);
-}
-
 // the row's candidates: its logits within `margin` of its maximum, the `cap` largest; false if
 // the row has no finite maximum
 template <class V>
@@ -332,20 +308,6 @@ void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t*
     xs[g] = V::hsum(s);
   }
   for (const Scored& c : cand) row[c.second] = exact_row_dot<V, BITS, S>(w, G, c.second, x, xs.data());
-}
-
-// the same from a Q8_0 table [N, K / 32 * 34 bytes] (row stride ldt bytes)
-template <class V>
-void refine_row_q8_0(float* row, int64_t N, const float* x, int64_t K, const uint8_t* table, int64_t ldt,
-                     float margin, int64_t cap, std::vector<Scored>& cand) {
-  if (!refine_candidates<V>(row, N, margin, cap, cand)) return;
-  const int64_t G = K / GROUP, row_bytes = G * Q8_0_BLOCK;
-  for (size_t i = 0; i < cand.size(); ++i) {
-    if (i + 1 < cand.size())
-      for (int64_t off = 0; off < row_bytes; off += 64)
-        _mm_prefetch((const char*)(table + cand[i + 1].second * ldt + off), _MM_HINT_T0);
-    row[cand[i].second] = q8_0_row_dot<V>(table + cand[i].second * ldt, G, x);
-  }
 }
 
 // out[0, k) = the indices of row's k largest entries, largest first (ties: the lower index);

@@ -89,7 +89,6 @@ class Gemma3ForCausalLM:
         head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
         self.lm_head = make_linear(head, linear)
         self.embed = w.embedding("token_embd.weight", (cfg.vocab_size, D))   # rows gathered from the stored table
-        self.head_rows = self.embed.q8_0_rows if cfg.tie_embeddings else None   # read by output_logits
         self.embed_scale = torch.tensor(D ** 0.5, dtype=torch.float32)
         self.rope_global = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
@@ -144,4 +143,4 @@ class Gemma3ForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""
-        return output_logits(self.lm_head, hidden, self.head_rows)
+        return output_logits(self.lm_head, hidden)

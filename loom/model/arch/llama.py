@@ -61,7 +61,6 @@ class LlamaForCausalLM:
         head = embed if cfg.tie_embeddings else w.linear("output.weight", (cfg.vocab_size, D))
         self.lm_head = make_linear(head, linear)
         self.embed = w.embedding("token_embd.weight", (cfg.vocab_size, D))   # rows gathered from the stored table
-        self.head_rows = self.embed.q8_0_rows if cfg.tie_embeddings else None   # read by output_logits
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
@@ -104,4 +103,4 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""
-        return output_logits(self.lm_head, hidden, self.head_rows)
+        return output_logits(self.lm_head, hidden)

@@ -52,12 +52,6 @@ class QuantEmbedding:
         self.rows = torch.from_numpy(table)                                  # [V, row bytes]
         self.qtype, self.shape = qtype, (v, d)
 
-    @property
-    def q8_0_rows(self) -> torch.Tensor | None:
-        """The stored rows [V, D / 32 * 34] when the table is Q8_0 (the output layer's refinement
-        reads a tied table's rows from here), else None."""
-        return self.rows if self.qtype == QT.Q8_0 else None
-
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         raw = self.rows[ids.reshape(-1)]                                     # [T, row bytes]
         n, d = raw.shape[0], self.shape[1]

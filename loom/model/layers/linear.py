@@ -132,17 +132,15 @@ class AdaptiveLinear:
 TOP_LOGITS_MARGIN, TOP_LOGITS_CAP = 8.0, 64
 
 
-def output_logits(head: LinearBackend, hidden: torch.Tensor, q8_0_rows: torch.Tensor | None = None) -> torch.Tensor:
+def output_logits(head: LinearBackend, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, D] -> float32 logits [N, V]; on loom's kernels the rows' top logits are
-    computed again in float32 (an exact product of the stored weights). `q8_0_rows`: the same
-    matrix as the GGUF's Q8_0 rows [V, D / 32 * 34] (a tied embedding table), read instead of
-    the packed codes: the same values, contiguous per row."""
+    computed again in float32 (an exact product of the stored weights), from the packed codes
+    the GEMM has just read: a tied embedding table's own rows would be faster to read (one
+    contiguous row each) but map pages of the GGUF that nothing else touches, up to 50 MB of
+    Gemma 3's resident set (docs/benchmarks.md, "Peak RSS")."""
     logits = head(hidden).float()
     if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32 and logits.shape[0]:
-        if q8_0_rows is not None:
-            head.kern.refine_logits_q8_0(logits, hidden.contiguous(), q8_0_rows, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
-        else:
-            head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
+        head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
     return logits
 
 
