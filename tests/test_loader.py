@@ -199,6 +199,27 @@ def test_unknown_architecture_is_refused_by_model_loader(corrupt: dict[str, Path
     assert "architecture" in message and "mamba9" in message and str(corrupt["unknown_arch"]) in message
 
 
+def test_string_arrays_read_back_exactly(tmp_path: Path):
+    """A vocabulary's strings come back as written: empty ones, non-ASCII ones, one holding a
+    NUL (the bulk decoder splits on NUL and must fall back), and an array of one."""
+    from gguf import GGUFWriter
+
+    plain = ["", "a", "▁the", "日本語", "<0x0A>", "\n\t ", "x" * 300, "é" * 70]
+    path = tmp_path / "strings.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("test.plain", plain * 50)
+    w.add_array("test.nul", ["a", "b\x00c", "", "d"])
+    w.add_array("test.one", ["only"])
+    w.add_string("test.after", "tail")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    md = GGUFFile.open(path).metadata
+    assert md["test.plain"] == plain * 50
+    assert md["test.nul"] == ["a", "b\x00c", "", "d"]
+    assert md["test.one"] == ["only"] and md["test.after"] == "tail"
+
+
 def test_every_truncation_raises_model_load_error(tiny_gemma3_path: Path, tmp_path: Path):
     data = tiny_gemma3_path.read_bytes()
     cut_path = tmp_path / "cut.gguf"

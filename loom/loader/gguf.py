@@ -88,23 +88,37 @@ class _Cursor:
         return bytes(self.take(n)).decode("utf-8", errors="replace")
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings in a row (a vocabulary: one tight loop, ~4x the speed of `string`)."""
-        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
-        length, append = _U64.unpack_from, out.append
+        """`count` strings in a row (a vocabulary). One loop finds where each starts; numpy then
+        drops the length fields, leaving one NUL between strings, and the bytes are decoded at
+        once and split: a third of the time of decoding each string on its own (`string`),
+        which remains the path for strings that hold a NUL themselves."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        starts, length = [], _U64.unpack_from
+        append = starts.append
         for _ in range(count):
             if pos + 8 > end:
                 break
-            (n,) = length(buf, pos)
-            if n > 1 << 30:
-                raise ModelLoadError(self.path, f"corrupt string length {n} at byte {pos}")
-            pos += 8
-            append(str(buf[pos:pos + n], "utf-8", "replace"))
-            pos += n
-        if pos > end or len(out) < count:
+            append(pos)
+            pos += 8 + length(buf, pos)[0]
+        if pos > end or len(starts) < count:
             raise ModelLoadError(self.path, f"file is truncated or corrupt (header needs byte {max(pos, end + 1)}, "
                                             f"file has {end})")
         self.pos = pos
-        return out
+        if not count:
+            return []
+        first = starts[0]
+        rel = np.asarray(starts, dtype=np.int64) - first                    # [count] length fields
+        region = np.frombuffer(buf[first:pos], dtype=np.uint8).copy()
+        drop = np.zeros(len(region) + 1, dtype=np.int8)                      # +1 where a field starts,
+        drop[rel] += 1                                                       # -1 at its last byte
+        drop[rel + 7] -= 1
+        region[rel + 7] = 0                                                  # each field's last byte: NUL
+        out = region[np.cumsum(drop[:-1], dtype=np.int8) == 0].tobytes().decode("utf-8", "replace").split("\x00")
+        if len(out) == count + 1:
+            return out[1:]
+        cur = _Cursor(buf, self.path)                                        # a string holds a NUL
+        cur.pos = first
+        return [cur.string() for _ in range(count)]
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALAR:
