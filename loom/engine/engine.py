@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from loom.config import EngineConfig, physical_cores
+from loom.engine.allocator import tune_malloc
 from loom.engine.detokenize import OutputState
 from loom.engine.groups import ChildSpec, FanOutOptions, RequestGroups, child_request, derive_seed, per_child_appends
 from loom.engine.request import Request, RequestStatus, check_token_ids
@@ -50,6 +51,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer: Tokenizer | None = None):
         self.config = config
+        tune_malloc()
         torch.set_num_threads(config.load.threads or physical_cores())
         t0 = time.perf_counter()
         path = resolve_model(config.load.model)
