@@ -218,17 +218,17 @@ class Tokenizer:
             types = np.full(n, NORMAL, dtype=np.int64)
         arch = str(md.get("general.architecture", ""))
 
-        if kind == "gpt2":
-            with _collector_paused():
+        with _collector_paused():
+            if kind == "gpt2":
                 backend, spelled = _byte_level_backend(f, tokens)
-        elif kind in ("llama", "gemma4"):
-            layout = "gemma4" if kind == "gemma4" else "gemma" if arch in _GEMMA_ARCHS else \
-                "phi3" if arch == "phi3" else "llama"
-            with _collector_paused():
+            elif kind == "llama":
+                layout = "gemma" if arch in _GEMMA_ARCHS else "phi3" if arch == "phi3" else "llama"
                 backend, spelled = _sentencepiece_backend(f, tokens, layout)
-        else:
-            raise ModelLoadError(f.path, f"unsupported tokenizer type {kind!r} (loom reads 'gpt2' byte-level BPE "
-                                         "and 'llama' SentencePiece vocabularies)")
+            elif kind == "gemma4":
+                backend, spelled = _sentencepiece_backend(f, tokens, "gemma4")
+            else:
+                raise ModelLoadError(f.path, f"unsupported tokenizer type {kind!r} (loom reads 'gpt2' byte-level "
+                                             "BPE and 'llama' SentencePiece vocabularies)")
 
         def token_id(key: str) -> int | None:
             value = md.get(key)
