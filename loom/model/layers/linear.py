@@ -137,7 +137,7 @@ def output_logits(head: LinearBackend, hidden: torch.Tensor) -> torch.Tensor:
     computed again in float32 (an exact product of the stored weights), from the packed codes
     the GEMM has just read: a tied embedding table's own rows would be faster to read (one
     contiguous row each) but map pages of the GGUF that nothing else touches, up to 50 MB of
-    Gemma 3's resident set (docs/benchmarks.md, "Peak RSS")."""
+    Gemma 3's resident set (docs/benchmarks.md, "Peak RSS: the GGUF pages the refinement mapped")."""
     logits = head(hidden).float()
     if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32 and logits.shape[0]:
         head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
