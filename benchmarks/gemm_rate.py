@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/gemm_rate.py [--threads 1] [--rows 1,8,32]   # LOOM_KERNELS=avx2 for the other variant
 
-SmolLM2-135M's shapes (4-bit projections, the 8-bit tied output matrix), packed weights of random
+SmolLM2-135M's shapes (4-bit projections, the 8-bit tied output matrix) and Gemma 3 270M's output
+matrix, each as the general affine form and the zero-point one (see loom_kernels_loops.h), packed weights of random
 codes with float16 scales of 0.01 (the kernel's time does not depend on the values); best of 5
-timed runs of enough calls to take ~0.1 s. Compare with the CPU's integer dot-product peak
+timed runs of enough calls to take ~0.1 s. (The AVX2 variant runs 8-bit zero points on the affine
+path: its two rows of those shapes time the same code.) Compare with the CPU's integer dot-product peak
 (benchmarks/vnni_peak.cpp) to see how far the kernel is from the instruction's limit.
 """
 
@@ -18,7 +20,8 @@ import torch
 from loom import kernels
 
 SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "down": (576, 1536, 4),
-          "output": (49152, 576, 8)}
+          "output": (49152, 576, 8), "gemma3 output": (262144, 640, 8)}
+ZERO = {4: 8, 8: 128}   # the zero-point forms (Q4_0, Q8_0) of each width, timed as a second row
 
 
 def packed(n: int, k: int, bits: int) -> torch.Tensor:
@@ -42,11 +45,11 @@ def main() -> None:
     print(f"kernels {kernels.variant()}, {args.threads} thread(s); GMAC/s per call (best of 5)")
     print("| layer (N x K, bits) | " + " | ".join(f"M = {m}" for m in rows) + " |")
     print("|---|" + "---:|" * len(rows))
-    for name, (n, k, bits) in SHAPES.items():
+    for (name, (n, k, bits)), zero in ((s, z) for s in SHAPES.items() for z in (0, ZERO[s[1][2]])):
         w, cells = packed(n, k, bits), []
         for m in rows:
             x, out = torch.randn(m, k), torch.empty(m, n)
-            call = lambda: kern.qgemm(x, w, n, k, bits, True, 0, None, 0.0, out, False)  # noqa: E731
+            call = lambda: kern.qgemm(x, w, n, k, bits, True, 0, None, 0.0, out, False, zero)  # noqa: E731
             for _ in range(3):
                 call()
             reps, best = max(3, int(1e8 / (n * k * m))), float("inf")
@@ -56,7 +59,8 @@ def main() -> None:
                     call()
                 best = min(best, (time.perf_counter() - t) / reps)
             cells.append(f"{n * k * m / best / 1e9:.0f} ({best * 1e6:.0f} us)")
-        print(f"| {name} ({n} x {k}, {bits}) | " + " | ".join(cells) + " |")
+        form = f"zero point {zero}" if zero else "affine"
+        print(f"| {name} ({n} x {k}, {bits}, {form}) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

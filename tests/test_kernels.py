@@ -28,7 +28,7 @@ from loom.model.kv_dtypes import FORMATS, kv_format
 from loom.model.layers.attention import AttentionMetadata, paged_attention, tree_attention_mask
 from loom.model.layers.linear import PRE_GEGLU, PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, QuantLinear, make_linear
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
-from loom.model.quant import QuantCodes, exact_codes, pack_codes
+from loom.model.quant import QuantCodes, exact_codes, pack_codes, zero_point
 from loom.model.weights import LinearWeight
 
 # Only a CPU without the instructions of any variant (AVX-512 VNNI, or AVX2 + FMA + F16C)
@@ -135,10 +135,55 @@ def test_qgemm_matches_reference(bits, fp16_scales):
         p = pack_codes(codes)
         assert p.scales16 == fp16_scales
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 * m + k))
-        y = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False)
+        y = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero)
         ref = _reference(codes, x)
         assert y.shape == (m, n)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits,zero", [(4, 8), (8, 16), (8, 128)])
+def test_qgemm_integer_zero_points(bits, zero):
+    """Q4_0 / Q5_0 / Q8_0 (b = -Z a in every group) take the integer zero-point path: the same
+    products as the affine form, with the offset's cancellation done exactly."""
+    kern = kernels.load()
+    assert kern is not None, kernels.unavailable_reason()
+    for n, k, m in [(16, 32, 1), (40, 64, 3), (200, 96, 8), (33, 128, 17), (576, 576, 40)]:
+        g = torch.Generator().manual_seed(n + m)
+        a = (torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+        hi = 2 * zero if bits == 8 and zero == 16 else 2 ** bits   # Q5_0's codes are 0..31
+        codes = QuantCodes(torch.randint(0, hi, (n, k), dtype=torch.uint8, generator=g), a, -zero * a, bits)
+        p = pack_codes(codes)
+        assert p.zero == zero
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 * m + k))
+        y = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, zero)
+        affine = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, 0)
+        ref = _reference(codes, x)
+        # the AVX2 variant keeps 8-bit codes on the affine path (kZeroPoints8): its usual tolerance
+        exact = bits == 4 or kernels.variant() == "avx512"
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=(1e-5 if exact else 1e-4) * float(ref.abs().max()))
+        torch.testing.assert_close(y, affine, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+        # rows do not depend on the batch on this path either
+        assert torch.equal(kern.qgemm(x[-1:], p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None,
+                                      False, zero), y[-1:])
+
+
+def test_zero_point_only_where_every_group_has_it():
+    a = torch.rand(16, 2) * 0.05
+    assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, -128 * a, 8)) == 128
+    b = -128 * a
+    b[3, 1] += 1e-3   # one group off: the general form
+    assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, b, 8)) == 0
+    assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, -8 * a, 4)) == 8
+    assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, -128 * a, 4)) == 0   # not a 4-bit code
+
+
+@needs_kernels
+def test_qgemm_rejects_a_zero_point_the_width_cannot_have():
+    kern = kernels.load()
+    p = pack_codes(_random_codes(16, 32, 4, seed=0, fp16_scales=True))
+    with pytest.raises(RuntimeError, match="zero must be"):
+        kern.qgemm(torch.randn(1, 32), p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, 128)
 
 
 @needs_kernels

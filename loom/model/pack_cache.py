@@ -4,7 +4,7 @@ memory-mapped on the next load instead of being repacked from the GGUF file.
 One file per GGUF file (by content) and kernel variant, ``$LOOM_CACHE/packed/<sha256[:24]>-<variant>.pack``::
 
     magic "LOOMPACK" | format u32 | reserved u32 | index bytes u64 | data bytes u64 | sha256(index) 32 B
-    index: UTF-8 JSON {"key": {...}, "entries": {name: {offset, nbytes, shape, n, k, bits, scales16, crc}}}
+    index: UTF-8 JSON {"key": {...}, "entries": {name: {offset, nbytes, shape, n, k, bits, scales16, zero, crc}}}
     zero padding to a 4096-byte boundary
     data: each entry's packed uint8 stream at a 64-byte aligned offset
 
@@ -42,7 +42,7 @@ from loom.model.quant import PackedCodes
 
 log = logging.getLogger("loom")
 
-PACK_FORMAT = 1
+PACK_FORMAT = 2
 MAGIC = b"LOOMPACK"
 _PREFIX = struct.Struct("<8sIIQQ32s")          # 64 bytes
 _DATA_ALIGN, _ENTRY_ALIGN, _SAMPLE = 4096, 64, 256
@@ -110,7 +110,7 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
         if int(np.prod(shape)) != nbytes:
             raise BadCacheFile(f"corrupt (entry '{name}' has shape {shape} for {nbytes} bytes)")
         out[name] = PackedCodes(torch.from_numpy(buf).view(shape), int(e["n"]), int(e["k"]), int(e["bits"]),
-                                bool(e["scales16"]))
+                                bool(e["scales16"]), int(e["zero"]))
     return out
 
 
@@ -119,7 +119,7 @@ def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -
     for name, p in entries.items():
         nbytes = p.w.numel()
         index[name] = {"offset": offset, "nbytes": nbytes, "shape": list(p.w.shape), "n": p.n, "k": p.k,
-                       "bits": p.bits, "scales16": p.scales16, "crc": _sample_crc(p.w.numpy())}
+                       "bits": p.bits, "scales16": p.scales16, "zero": p.zero, "crc": _sample_crc(p.w.numpy())}
         offset += -(-nbytes // _ENTRY_ALIGN) * _ENTRY_ALIGN
     index_bytes = json.dumps({"key": key, "entries": index}).encode()
     data_start = -(-(_PREFIX.size + len(index_bytes)) // _DATA_ALIGN) * _DATA_ALIGN

@@ -124,16 +124,30 @@ def exact_codes(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> QuantCode
                       torch.from_numpy(np.ascontiguousarray(off, dtype=np.float32)), bits)
 
 
+ZERO_POINTS = {4: (8,), 8: (16, 128)}   # Q4_0; Q5_0, Q8_0: the kernels' integer zero points per width
+
+
 @dataclass
 class PackedCodes:
     """The kernel layout (see loom/kernels/csrc): one uint8 stream of blocks, each 16 output
-    rows x one group: [codes][a x 16][b x 16], a/b float16 when that is exact, else float32."""
+    rows x one group: [codes][a x 16][b x 16], a/b float16 when that is exact, else float32.
+    zero: Z where every group's offset is b = -Z a (an integer zero point, which the kernels
+    subtract in integer arithmetic), else 0."""
 
     w: torch.Tensor
     n: int
     k: int
     bits: int
     scales16: bool
+    zero: int = 0
+
+
+def zero_point(c: QuantCodes) -> int:
+    """The integer zero point Z of `c` (b = -Z a in every group, exactly), or 0."""
+    for z in ZERO_POINTS[c.bits]:
+        if torch.equal(c.b, c.a * -z):
+            return z
+    return 0
 
 
 def pack_codes(c: QuantCodes, chunk_blocks: int = 512) -> PackedCodes:
@@ -150,7 +164,7 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512) -> PackedCodes:
         b1 = min(b0 + chunk_blocks, nb)
         rows = slice(b0 * ROWS, b1 * ROWS)
         _pack_blocks(w[b0:b1], c.q[rows], c.a[rows], c.b[rows], c.bits, code_bytes)
-    return PackedCodes(w, n, k, c.bits, scales16)
+    return PackedCodes(w, n, k, c.bits, scales16, zero_point(c))
 
 
 def _pack_blocks(out: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int,

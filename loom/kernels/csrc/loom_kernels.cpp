@@ -10,11 +10,13 @@ namespace loom {
 
 struct Isa : Vec512 {
   static constexpr bool kCodeSums = false;
+  static constexpr bool kZeroPoints8 = true;
 
-  // dot[i] = <codes of block wp, xp[i]> over one 32-group, one int32 per output row: VPDPBUSD
-  // (u8 x s8 -> s32) covers 16 rows x 4 inputs, eight of them a group.
-  template <int BITS, int MT>
-  LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* const* xp, const int32_t*, I* dot) {
+  // dot[i] = <codes of block wp - Z, activation row i> over one 32-group, one int32 per output
+  // row (row i's 32 codes at xp + 8 i, their sum xs[i]): VPDPBUSD (u8 x s8 -> s32) covers 16
+  // rows x 4 inputs, eight of them a group.
+  template <int BITS, int MT, int Z>
+  LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* xp, const int32_t* xs, I* dot) {
     I code[8];
     if constexpr (BITS == 4) {
       const I low = _mm512_set1_epi8(0x0F);
@@ -27,11 +29,12 @@ struct Isa : Vec512 {
       for (int c = 0; c < 8; ++c) code[c] = _mm512_loadu_si512(wp + c * 64);
     }
     for (int i = 0; i < MT; ++i) {
-      I s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), code[0], _mm512_set1_epi32(xp[i][0]));
-      I s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), code[1], _mm512_set1_epi32(xp[i][1]));
+      const I init = Z ? _mm512_set1_epi32(-Z * xs[i]) : _mm512_setzero_si512();   // the zero point's term
+      I s0 = _mm512_dpbusd_epi32(init, code[0], _mm512_set1_epi32(xp[8 * i]));
+      I s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), code[1], _mm512_set1_epi32(xp[8 * i + 1]));
       for (int c = 2; c < 8; c += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, code[c], _mm512_set1_epi32(xp[i][c]));
-        s1 = _mm512_dpbusd_epi32(s1, code[c + 1], _mm512_set1_epi32(xp[i][c + 1]));
+        s0 = _mm512_dpbusd_epi32(s0, code[c], _mm512_set1_epi32(xp[8 * i + c]));
+        s1 = _mm512_dpbusd_epi32(s1, code[c + 1], _mm512_set1_epi32(xp[8 * i + c + 1]));
       }
       dot[i] = _mm512_add_epi32(s0, s1);
     }

@@ -18,10 +18,15 @@ namespace loom {
 
 struct Isa : Vec256 {
   static constexpr bool kCodeSums = true;
+  // 8-bit codes keep the affine path: with the zero point, a single activation row (a one-stream
+  // decode step, memory-bound) ran 3-7% slower on Zen 4 (benchmarks/gemm_rate.py, M = 1), where
+  // 8 and 32 rows gained 2-8%
+  static constexpr bool kZeroPoints8 = false;
 
-  // dot[i] = <codes of rows 8h .. 8h+7 of block wp, xp[i]> over one 32-group, one int32 per row
-  template <int BITS, int MT>
-  LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* const* xp, const int32_t* xs, I* dot) {
+  // dot[i] = <codes of rows 8h .. 8h+7 of block wp - Z, activation row i> over one 32-group, one
+  // int32 per row (row i's 32 codes at xp + 8 i, their sum xs[i])
+  template <int BITS, int MT, int Z>
+  LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* xp, const int32_t* xs, I* dot) {
     const I ones = _mm256_set1_epi16(1);
     if constexpr (BITS == 4) {   // code[j] pairs with input dword j: the low, then high nibbles of chunk j / 2
       const I low = _mm256_set1_epi8(0x0F);
@@ -32,22 +37,24 @@ struct Isa : Vec256 {
         code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
       for (int i = 0; i < MT; ++i) {
-        I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[i][0]));
-        I s1 = _mm256_maddubs_epi16(code[1], _mm256_set1_epi32(xp[i][1]));
+        I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[8 * i]));
+        I s1 = _mm256_maddubs_epi16(code[1], _mm256_set1_epi32(xp[8 * i + 1]));
         for (int c = 2; c < 8; c += 2) {
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[c], _mm256_set1_epi32(xp[i][c])));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[c + 1], _mm256_set1_epi32(xp[i][c + 1])));
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[c], _mm256_set1_epi32(xp[8 * i + c])));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[c + 1], _mm256_set1_epi32(xp[8 * i + c + 1])));
         }
         dot[i] = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+        if constexpr (Z != 0) dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(Z * xs[i]));
       }
     } else {
+      static_assert(Z == 0, "8-bit codes take the affine path here (kZeroPoints8)");
       const I flip = _mm256_set1_epi8((char)0x80);
       for (int i = 0; i < MT; ++i) dot[i] = _mm256_set1_epi32(128 * xs[i]);
       for (int c = 0; c < 8; ++c) {
         const I q = _mm256_xor_si256(_mm256_loadu_si256((const I*)(wp + c * 64 + h * 32)), flip);   // q - 128
         const I aq = _mm256_abs_epi8(q);   // -128 -> 0x80, read as unsigned 128
         for (int i = 0; i < MT; ++i) {
-          const I sx = _mm256_sign_epi8(_mm256_set1_epi32(xp[i][c]), q);
+          const I sx = _mm256_sign_epi8(_mm256_set1_epi32(xp[8 * i + c]), q);
           dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
         }
       }

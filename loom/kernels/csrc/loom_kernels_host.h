@@ -14,13 +14,31 @@ inline void check_f32_rows(const torch::Tensor& t, const char* name) {
 }
 
 // y = pre(x) @ W^T (+ y if accumulate). x: [M, K] (or [M, 2K] for the gated pre-ops).
-// w: the packed blocks (uint8); scales16: whether a and b are float16.
+// w: the packed blocks (uint8); scales16: whether a and b are float16; zero: Z > 0 where every
+// group's offset is b = -Z a (Q4_0: 8, Q5_0: 16, Q8_0: 128), else 0. The variant takes the
+// integer zero-point path where it pays (Isa::kZeroPoints8: also for 8-bit codes), the
+// affine one otherwise; either way a variant computes a row the same way at every M.
+template <int BITS, typename S>
+void gemm_zero(int64_t zero, const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y,
+               int64_t ldy, bool accumulate) {
+  if (zero == 0 || (BITS == 8 && !Isa::kZeroPoints8)) return gemm<Isa, BITS, S, 0>(w, N, K, M, qa, y, ldy, accumulate);
+  if constexpr (BITS == 4) {
+    if (zero == 8) return gemm<Isa, BITS, S, 8>(w, N, K, M, qa, y, ldy, accumulate);
+  } else if constexpr (Isa::kZeroPoints8) {
+    if (zero == 16) return gemm<Isa, BITS, S, 16>(w, N, K, M, qa, y, ldy, accumulate);
+    if (zero == 128) return gemm<Isa, BITS, S, 128>(w, N, K, M, qa, y, ldy, accumulate);
+  }
+  TORCH_CHECK(false, "unreachable: zero checked by qgemm");
+}
+
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
-                    c10::optional<torch::Tensor> out, bool accumulate) {
+                    c10::optional<torch::Tensor> out, bool accumulate, int64_t zero) {
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(zero == 0 || (bits == 4 ? zero == 8 : zero == 16 || zero == 128),
+              "zero must be 0 or 8 for 4-bit codes, 0, 16 or 128 for 8-bit ones");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights must be contiguous uint8");
   const int64_t M = x.size(0);
   torch::Tensor y = out.has_value() ? *out : torch::empty({M, N}, x.options());
@@ -42,11 +60,11 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
   if (scales16) {
-    if (bits == 4) gemm<Isa, 4, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
-    else gemm<Isa, 8, at::Half>(wp, N, K, M, qa, yp, ldy, accumulate);
+    if (bits == 4) gemm_zero<4, at::Half>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
+    else gemm_zero<8, at::Half>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
   } else {
-    if (bits == 4) gemm<Isa, 4, float>(wp, N, K, M, qa, yp, ldy, accumulate);
-    else gemm<Isa, 8, float>(wp, N, K, M, qa, yp, ldy, accumulate);
+    if (bits == 4) gemm_zero<4, float>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
+    else gemm_zero<8, float>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
   }
   return y;
 }

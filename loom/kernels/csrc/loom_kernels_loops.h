@@ -55,11 +55,12 @@ inline typename V::F tree_sum(const typename V::F* v) {
   else return V::add(tree_sum<V, N / 2>(v), tree_sum<V, N / 2>(v + N / 2));
 }
 
-// One row: src (K floats, or 2K for the gated pre-ops) -> xq[K] int8, d[G], s[G] (and the
-// integer code sums xs[G] where V::kCodeSums).
+// One row: src (K floats, or 2K for the gated pre-ops) -> per 32-group g: int8 codes at
+// xq + g * step * GROUP, d[g * step], s[g * step] and the integer code sum xs[g * step] (the
+// panel layout of QuantActs: step = its rows per panel).
 template <class V>
 void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w, float eps,
-                  float* tmp, int8_t* xq, float* d, float* s, int32_t* xs) {
+                  float* tmp, int8_t* xq, float* d, float* s, int32_t* xs, int64_t step) {
   using F = typename V::F;
   constexpr int NG = GROUP / V::W;
   const float* x = src;
@@ -83,33 +84,40 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
     const float dg = V::hmax(amax) / 127.0f;
     const F inv = V::set1(dg > 0.0f ? 1.0f / dg : 0.0f);
     for (int j = 0; j < NG; ++j) scaled[j] = V::mul(v[j], inv);
-    const int32_t code_sum = V::store_s8(xq + g * GROUP, scaled);
-    if constexpr (V::kCodeSums) xs[g] = code_sum;
-    d[g] = dg;
-    s[g] = dg * (float)code_sum;   // the sum of what was quantized
+    const int32_t code_sum = V::store_s8(xq + g * step * GROUP, scaled);
+    xs[g * step] = code_sum;
+    d[g * step] = dg;
+    s[g * step] = dg * (float)code_sum;   // the sum of what was quantized
   }
 }
 
+// The quantized activations in panels of P = V::MT_MAX rows (a GEMM tile's rows), group-major
+// within a panel: row m = p P + r, group g is at [p][g][r] (codes: 32 bytes there). A tile then
+// walks one pointer per operand, its rows at fixed offsets, instead of MT row pointers (which
+// spilled from the general registers at MT = 8).
 struct QuantActs {
-  std::vector<int8_t> xq;
-  std::vector<float> d, s;
-  std::vector<int32_t> xs;   // sum of each group's int8 codes, where the variant needs it
+  std::vector<int8_t> xq;    // [panels][G][P][32]
+  std::vector<float> d, s;   // [panels][G][P]
+  std::vector<int32_t> xs;   // [panels][G][P] sum of each group's int8 codes (AVX2's 8-bit dots, zero points)
 };
 
 template <class V>
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pre, const float* norm_w,
                    float eps, QuantActs& qa) {
-  const int64_t G = K / GROUP;
-  qa.xq.resize(M * K);
-  qa.d.resize(M * G);
-  qa.s.resize(M * G);
-  qa.xs.resize(V::kCodeSums ? M * G : 0);
+  constexpr int64_t P = V::MT_MAX;
+  const int64_t G = K / GROUP, rows = (M + P - 1) / P * P;
+  qa.xq.resize(rows * K);
+  qa.d.resize(rows * G);
+  qa.s.resize(rows * G);
+  qa.xs.resize(rows * G);
   at::parallel_for(0, M, M < 16 ? M : 4, [&](int64_t m0, int64_t m1) {
     thread_local std::vector<float> tmp;
     tmp.resize(K);
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row<V>(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + m * K, qa.d.data() + m * G,
-                      qa.s.data() + m * G, V::kCodeSums ? qa.xs.data() + m * G : nullptr);
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t at = m / P * P * G + m % P;   // [panel][0][row]
+      quantize_row<V>(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + at * GROUP, qa.d.data() + at,
+                      qa.s.data() + at, qa.xs.data() + at, P);
+    }
   });
 }
 
@@ -123,57 +131,62 @@ constexpr int64_t GEMM_PF_BLOCKS = 64;
 template <int BITS, typename S>
 constexpr int64_t block_bytes() { return (BITS == 4 ? 256 : 512) + 2 * ROWS * sizeof(S); }
 
-// acc[i] = rows h W .. (h + 1) W - 1 of a block column times activation row m0 + i, over all G groups
-template <class V, int BITS, int MT, typename S>
+// acc[i] = rows h W .. (h + 1) W - 1 of a block column times activation row m0 + i, over all G groups.
+// Z > 0: every group's offset is b = -Z a (Q4_0, Q5_0, Q8_0: an integer zero point), so the
+// offset term is integer, a d <q - Z, xq> = a d (<q, xq> - Z sum(xq)), and one FMA per row and
+// group is left on the multiply pipes instead of two (and the two large terms' cancellation is exact).
+template <class V, int BITS, int MT, typename S, int Z>
 LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
                       typename V::F* acc) {
-  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>();
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>(), P = V::MT_MAX;
   for (int i = 0; i < MT; ++i) acc[i] = V::zero();
-  for (int64_t g = 0; g < G; ++g) {
+  // the panel of rows m0 .. m0 + P (m0 is a multiple of P): group g's rows at [g][i]
+  const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
+  const int32_t* xs = qa.xs.data() + m0 * G;
+  const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
+  for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
     if (h == 0)   // the weights stream from memory (GEMM_PF_BLOCKS)
       for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
-    const int32_t* xp[MT];
-    int32_t xs[MT];
-    for (int i = 0; i < MT; ++i) {
-      xp[i] = (const int32_t*)(qa.xq.data() + (m0 + i) * K + g * GROUP);
-      xs[i] = V::kCodeSums && BITS == 8 ? qa.xs[(m0 + i) * G + g] : 0;   // read by 8-bit dots only
-    }
     typename V::I dot[MT];
-    V::template dots<BITS, MT>(wp, h, xp, xs, dot);
+    V::template dots<BITS, MT, Z>(wp, h, xq, xs, dot);   // row i's codes at xq + 8 i
     const S* sc = (const S*)(wp + CODE_BYTES);
-    const typename V::F av = V::load(sc + h * V::W), bv = V::load(sc + ROWS + h * V::W);
-    for (int i = 0; i < MT; ++i) {
-      const int64_t gi = (m0 + i) * G + g;
-      acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(qa.d[gi])), acc[i]);
-      acc[i] = V::fma(bv, V::set1(qa.s[gi]), acc[i]);
+    const typename V::F av = V::load(sc + h * V::W);
+    if constexpr (Z > 0) {
+      for (int i = 0; i < MT; ++i) acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
+    } else {
+      const typename V::F bv = V::load(sc + ROWS + h * V::W);
+      for (int i = 0; i < MT; ++i) {
+        acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
+        acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);
+      }
     }
   }
 }
 
 // y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it; fewer
 // than 16 rows only at the end of N
-template <class V, int BITS, int MT, typename S, int H = 0>
+template <class V, int BITS, int MT, typename S, int Z, int H = 0>
 inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y, int64_t ldy,
                  int64_t n0, int64_t N, bool accumulate) {
   const int64_t n = N - n0 - H * V::W;
   if (n <= 0) return;
   typename V::F acc[MT];
-  tile_part<V, BITS, MT, S>(w, G, qa, K, m0, H, acc);
+  tile_part<V, BITS, MT, S, Z>(w, G, qa, K, m0, H, acc);
   for (int i = 0; i < MT; ++i) {
     float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
     V::store_n(yp, accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i], n);
   }
-  if constexpr (H + 1 < ROWS / V::W) tile<V, BITS, MT, S, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
+  if constexpr (H + 1 < ROWS / V::W) tile<V, BITS, MT, S, Z, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
 }
 
 // the tile for mt = 1 .. MT activation rows
-template <class V, int BITS, typename S, int MT = V::MT_MAX>
+template <class V, int BITS, typename S, int Z, int MT = V::MT_MAX>
 inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
                       int64_t ldy, int64_t n0, int64_t N, bool accumulate) {
   if constexpr (MT > 1)
-    if (mt < MT) return tile_rows<V, BITS, S, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate);
-  tile<V, BITS, MT, S>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
+    if (mt < MT) return tile_rows<V, BITS, S, Z, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate);
+  tile<V, BITS, MT, S, Z>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
 }
 
 // Cache blocking. The tiles of one block column read its weights G times per MT rows and the
@@ -185,7 +198,7 @@ inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& 
 // Only the order of the tiles changes: each output is the same tile's same sum over groups.
 constexpr int64_t GEMM_L1_ACTS = 16 * 1024, GEMM_L2_WEIGHTS = 256 * 1024;
 
-template <class V, int BITS, typename S>
+template <class V, int BITS, typename S, int Z>
 void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
           bool accumulate) {
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S>();
@@ -198,7 +211,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
         const int64_t mc1 = std::min(mc0 + MC, M);
         for (int64_t nb = nc0; nb < nc1; ++nb)
           for (int64_t m0 = mc0; m0 < mc1; m0 += V::MT_MAX)
-            tile_rows<V, BITS, S>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
+            tile_rows<V, BITS, S, Z>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
                                   nb * ROWS, N, accumulate);
       }
     }

@@ -103,7 +103,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, pre: int = PRE_NONE, norm: torch.Tensor | None = None,
                  eps: float = 0.0, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         p = self.p
-        return self.kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, pre, norm, eps, out, accumulate)
+        return self.kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, pre, norm, eps, out, accumulate, p.zero)
 
     def refine_top(self, x: torch.Tensor, y: torch.Tensor, margin: float, cap: int) -> torch.Tensor:
         """y = self(x) [M, out]: the entries within `margin` of each row's maximum (the `cap`
