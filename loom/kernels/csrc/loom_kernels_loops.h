@@ -91,11 +91,12 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
   }
 }
 
-// The quantized activations in panels of P = V::MT_MAX rows (a GEMM tile's rows), group-major
-// within a panel: row m = p P + r, group g is at [p][g][r] (codes: 32 bytes there). A tile then
-// walks one pointer per operand, its rows at fixed offsets, instead of MT row pointers (which
-// spilled from the general registers at MT = 8).
+// The quantized activations in panels of P rows (a GEMM tile's rows: V::MT_MAX, or M where M is
+// smaller, so that one row stays contiguous), group-major within a panel: row m = p P + r, group
+// g is at [p][g][r] (codes: 32 bytes there). A tile then walks one pointer per operand, its rows
+// at fixed offsets, instead of MT row pointers (which spilled from the general registers at MT = 8).
 struct QuantActs {
+  int64_t P = 1;
   std::vector<int8_t> xq;    // [panels][G][P][32]
   std::vector<float> d, s;   // [panels][G][P]
   std::vector<int32_t> xs;   // [panels][G][P] sum of each group's int8 codes (AVX2's 8-bit dots, zero points)
@@ -104,7 +105,7 @@ struct QuantActs {
 template <class V>
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pre, const float* norm_w,
                    float eps, QuantActs& qa) {
-  constexpr int64_t P = V::MT_MAX;
+  const int64_t P = qa.P = std::clamp<int64_t>(M, 1, V::MT_MAX);
   const int64_t G = K / GROUP, rows = (M + P - 1) / P * P;
   qa.xq.resize(rows * K);
   qa.d.resize(rows * G);
@@ -138,9 +139,10 @@ constexpr int64_t block_bytes() { return (BITS == 4 ? 256 : 512) + 2 * ROWS * si
 template <class V, int BITS, int MT, typename S, int Z>
 LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
                       typename V::F* acc) {
-  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>(), P = V::MT_MAX;
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S>();
+  const int64_t P = qa.P;
   for (int i = 0; i < MT; ++i) acc[i] = V::zero();
-  // the panel of rows m0 .. m0 + P (m0 is a multiple of P): group g's rows at [g][i]
+  // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
   const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
   const int32_t* xs = qa.xs.data() + m0 * G;
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
