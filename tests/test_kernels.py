@@ -281,6 +281,44 @@ def test_refine_top_computes_the_largest_logits_exactly(bits, fp16_scales):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_refine_top_reports_the_argmax_it_decides(bits):
+    """The refinement's argmax (a greedy step's token without another pass over the vocabulary):
+    where given (>= 0) it is torch's argmax of the refined row, ties to the lower index; at the
+    output layer's setting every row has one; -1 where the refinement cannot decide (no candidate
+    refined, or its best fell below a logit it left alone)."""
+    n, k = 1003, 192
+    codes = _random_codes(n, k, bits, seed=5, fp16_scales=True)
+    lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(9))
+    x[3] *= 8.0
+    gemm = lin(x)
+    for margin, cap in [(8.0, 64), (0.5, 1000), (100.0, 5), (100.0, 1), (0.0, 64), (8.0, 0)]:
+        am = torch.empty(8, dtype=torch.int64)
+        got = lin.refine_top(x, gemm.clone(), margin, cap, am)
+        for r in range(8):
+            if am[r] >= 0:
+                assert am[r].item() == got[r].argmax().item()
+        if (margin, cap) == (8.0, 64):   # the output layer's setting: the refinement decides every row
+            assert bool((am >= 0).all()), am
+        if cap == 0 or margin == 0:
+            assert bool((am == -1).all())
+    # equal top values: the lower index, as torch's argmax
+    y = gemm.clone()
+    am = torch.empty(8, dtype=torch.int64)
+    refined = lin.refine_top(x, y, 8.0, 64, am)
+    top = refined[0].argmax().item()
+    w = QuantLinear(LinearWeight(codes.dequantize()[[top, top]], QuantCodes(codes.q[[top, top]], codes.a[[top, top]],
+                                                                                  codes.b[[top, top]], bits)))
+    twin = w(x)
+    am2 = torch.empty(8, dtype=torch.int64)
+    out2 = w.refine_top(x, twin, 8.0, 64, am2)
+    assert torch.equal(out2[:, 0], out2[:, 1]) and bool((am2 == 0).all())
+    with pytest.raises(RuntimeError, match="argmax must be"):
+        lin.refine_top(x, gemm.clone(), 8.0, 64, torch.empty(3, dtype=torch.int64))
+
+
+@needs_kernels
 @pytest.mark.parametrize("vocab", [49152, 1000, 37])
 def test_topk_indices_are_torch_topk(vocab):
     """The kernel's top-k (drafters' observations): torch.topk's indices in its order on rows

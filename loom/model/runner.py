@@ -120,10 +120,12 @@ class ModelRunner:
         counts = [1 + len(out.seqs[i].draft_parents) for i in sample_seqs]
         rows = torch.cat([torch.arange(meta.query_starts[i] + meta.query_lens[i] - c, meta.query_starts[i]
                                        + meta.query_lens[i]) for i, c in zip(sample_seqs, counts)])
-        logits = self.model.compute_logits(hidden[rows])                             # [R, V]
         if self.spec is None:
-            result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs])
+            known = torch.empty(len(rows), dtype=torch.int64)   # rows' argmax where the refinement knows it, else -1
+            logits = self.model.compute_logits(hidden[rows], known)                  # [R, V]
+            result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs], known)
         else:
+            logits = self.model.compute_logits(hidden[rows])                         # [R, V]
             self.spec.record_step(out, time.perf_counter() - t0)
             result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
         result.prompt_logprobs.update(prompt_lps)
@@ -253,8 +255,12 @@ class ModelRunner:
                     for st in states],
         )
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, req_ids: list[str], known: torch.Tensor | None = None) -> RunnerOutput:
+        """known [R]: each row's argmax where the output layer already found it, else -1 (valid
+        for the logits as computed: a grammar's mask changes them, and then it is not used)."""
         states = [self.states[r] for r in req_ids]
+        if any(st.matcher is not None for st in states):
+            known = None
         dead = self._mask_constrained(logits, req_ids, states)
         if dead:
             keep = [i for i, rid in enumerate(req_ids) if rid not in dead]
@@ -262,7 +268,7 @@ class ModelRunner:
             out.dead_ends.extend(sorted(dead))
             return out
         if all(st.plain_greedy for st in states):  # the common case, without building a sampling batch
-            tokens = argmax_rows(logits).tolist()
+            tokens = known.tolist() if known is not None and bool((known >= 0).all()) else argmax_rows(logits).tolist()
             for st, tok in zip(states, tokens):
                 self._take(st, tok)
             return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, tokens)}, {})

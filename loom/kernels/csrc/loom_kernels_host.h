@@ -232,8 +232,10 @@ std::vector<bool> apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
 
 // The output layer's top logits again in float32 (refine_row, loom_kernels_loops.h): logits
 // [R, N] in place, x [R, K] the activations the GEMM was given, w the same packed matrix.
+// argmax: optional [R] int64, set to each row's argmax after the refinement where the refinement
+// decides it (its best value above every logit it left alone), else -1 (the caller scans the row).
 void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits,
-                   bool scales16, double margin, int64_t cap) {
+                   bool scales16, double margin, int64_t cap, c10::optional<torch::Tensor> argmax) {
   check_f32_rows(logits, "logits");
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0 && x.size(1) == K && logits.size(1) == N && x.size(0) == logits.size(0),
@@ -245,6 +247,12 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * bb,
               "packed weights do not match N, K, bits");
   const int64_t R = logits.size(0), ldl = logits.stride(0), ldx = x.stride(0);
+  int64_t* am = nullptr;
+  if (argmax.has_value()) {
+    TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == R &&
+                argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
+    am = argmax->data_ptr<int64_t>();
+  }
   float* lp = logits.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -254,13 +262,15 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
     for (int64_t r = r0; r < r1; ++r) {
       float* row = lp + r * ldl;
       const float* xr = xp + r * ldx;
+      int64_t best;
       if (scales16) {
-        if (bits == 4) refine_row<Isa, 4, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
-        else refine_row<Isa, 8, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+        if (bits == 4) best = refine_row<Isa, 4, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+        else best = refine_row<Isa, 8, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
       } else {
-        if (bits == 4) refine_row<Isa, 4, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
-        else refine_row<Isa, 8, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+        if (bits == 4) best = refine_row<Isa, 4, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
+        else best = refine_row<Isa, 8, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
       }
+      if (am) am[r] = best;
     }
   });
 }
@@ -301,7 +311,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("ctx"), py::arg("H"), py::arg("Hkv"),
         py::arg("scale"), py::arg("window"), py::arg("groups") = py::none(), py::arg("shared") = py::none(),
         py::arg("kv_format") = 0, py::arg("first") = py::none());
-  m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place");
+  m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place",
+        py::arg("logits"), py::arg("x"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("bits"), py::arg("scales16"),
+        py::arg("margin"), py::arg("cap"), py::arg("argmax") = py::none());
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "

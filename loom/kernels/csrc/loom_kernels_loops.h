@@ -270,11 +270,12 @@ inline bool larger(const Scored& a, const Scored& b) { return a.first > b.first 
 
 // cand = the `cap` largest entries of row[0, N) above `thr` (fewer if fewer are), unordered.
 // When more than 4 cap have gathered, the cap largest so far are kept and the threshold rises to
-// the smallest of them, so a flat row costs about one vector compare per element.
+// the smallest of them, so a flat row costs about one vector compare per element. Returns the
+// final threshold: every entry left out is at most it.
 template <class V>
-void largest_above(const float* row, int64_t N, float thr, int64_t cap, std::vector<Scored>& cand) {
+float largest_above(const float* row, int64_t N, float thr, int64_t cap, std::vector<Scored>& cand) {
   cand.clear();
-  if (cap <= 0) return;
+  if (cap <= 0) return INFINITY;
   typename V::F tv = V::set1(thr);
   const auto keep_largest = [&]() {
     std::nth_element(cand.begin(), cand.begin() + (cap - 1), cand.end(), larger);
@@ -293,36 +294,46 @@ void largest_above(const float* row, int64_t N, float thr, int64_t cap, std::vec
   for (; v < N; ++v)
     if (row[v] > thr) cand.emplace_back(row[v], (int32_t)v);
   if ((int64_t)cand.size() > cap) keep_largest();
+  return thr;
 }
 
-// the row's candidates: its logits within `margin` of its maximum, the `cap` largest; false if
-// the row has no finite maximum
+// the row's candidates: its logits within `margin` of its maximum, the `cap` largest, in index
+// order; *bound: every other logit is at most it. False if the row has no finite maximum.
 template <class V>
-bool refine_candidates(const float* row, int64_t N, float margin, int64_t cap, std::vector<Scored>& cand) {
+bool refine_candidates(const float* row, int64_t N, float margin, int64_t cap, std::vector<Scored>& cand,
+                       float* bound) {
   typename V::F m = V::set1(-INFINITY);
   int64_t v = 0;
   for (; v + V::W <= N; v += V::W) m = V::max(m, V::load(row + v));
   float mx = V::hmax(m);
   for (int64_t t = v; t < N; ++t) mx = std::max(mx, row[t]);
   if (!std::isfinite(mx)) return false;
-  largest_above<V>(row, N, mx - margin, cap, cand);
+  *bound = largest_above<V>(row, N, mx - margin, cap, cand);
   std::sort(cand.begin(), cand.end(), [](const Scored& a, const Scored& b) { return a.second < b.second; });
   return true;   // in index order: rows near each other in memory come together
 }
 
-// one row of logits [N], in place, from the packed matrix w
+// one row of logits [N], in place, from the packed matrix w. Returns the row's argmax after the
+// refinement (of equal values the lower index, as torch's argmax) where the refinement decides
+// it, that is where its best value is above every logit it left alone; else -1.
 template <class V, int BITS, typename S>
-void refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
-                std::vector<Scored>& cand, std::vector<float>& xs) {
+int64_t refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
+                   std::vector<Scored>& cand, std::vector<float>& xs) {
   const int64_t G = K / GROUP;
-  if (!refine_candidates<V>(row, N, margin, cap, cand)) return;
+  float bound;
+  if (!refine_candidates<V>(row, N, margin, cap, cand, &bound)) return -1;
   xs.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     typename V::F s = V::zero();
     for (int j = 0; j < GROUP; j += V::W) s = V::add(s, V::load(x + g * GROUP + j));
     xs[g] = V::hsum(s);
   }
-  for (const Scored& c : cand) row[c.second] = exact_row_dot<V, BITS, S>(w, G, c.second, x, xs.data());
+  int64_t best = -1;
+  for (const Scored& c : cand) {   // in index order: the first of equal values stays
+    row[c.second] = exact_row_dot<V, BITS, S>(w, G, c.second, x, xs.data());
+    if (best < 0 || row[c.second] > row[best]) best = c.second;
+  }
+  return best >= 0 && row[best] > bound ? best : -1;
 }
 
 // out[0, k) = the indices of row's k largest entries, largest first (ties: the lower index);

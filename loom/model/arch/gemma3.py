@@ -141,6 +141,6 @@ class Gemma3ForCausalLM:
             kern.add_rmsnorm(h, down, layer.post_ffn_norm, eps)
         return rms_norm(h, self.norm, eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""
-        return output_logits(self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, D] of the positions to sample -> float32 logits [N, V] (argmax: see output_logits)."""
+        return output_logits(self.lm_head, hidden, argmax)

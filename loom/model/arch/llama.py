@@ -101,6 +101,6 @@ class LlamaForCausalLM:
             layer.down(gate_up, PRE_SWIGLU, out=h, accumulate=True)
         return rms_norm(h, self.norm, eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] of the positions to sample -> float32 logits [N, V]."""
-        return output_logits(self.lm_head, hidden)
+    def compute_logits(self, hidden: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, D] of the positions to sample -> float32 logits [N, V] (argmax: see output_logits)."""
+        return output_logits(self.lm_head, hidden, argmax)

@@ -105,11 +105,14 @@ class QuantLinear:
         p = self.p
         return self.kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, pre, norm, eps, out, accumulate, p.zero)
 
-    def refine_top(self, x: torch.Tensor, y: torch.Tensor, margin: float, cap: int) -> torch.Tensor:
+    def refine_top(self, x: torch.Tensor, y: torch.Tensor, margin: float, cap: int,
+                   argmax: torch.Tensor | None = None) -> torch.Tensor:
         """y = self(x) [M, out]: the entries within `margin` of each row's maximum (the `cap`
-        largest) computed again in float32 from the same codes, in place (the output layer's)."""
+        largest) computed again in float32 from the same codes, in place (the output layer's).
+        argmax [M] int64, if given: each row's argmax afterwards where the refinement decides it
+        (its best value above every entry it left alone), else -1."""
         p = self.p
-        self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, margin, cap)
+        self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, margin, cap, argmax)
         return y
 
 
@@ -132,15 +135,21 @@ class AdaptiveLinear:
 TOP_LOGITS_MARGIN, TOP_LOGITS_CAP = 8.0, 64
 
 
-def output_logits(head: LinearBackend, hidden: torch.Tensor) -> torch.Tensor:
+def output_logits(head: LinearBackend, hidden: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [N, D] -> float32 logits [N, V]; on loom's kernels the rows' top logits are
     computed again in float32 (an exact product of the stored weights), from the packed codes
     the GEMM has just read: a tied embedding table's own rows would be faster to read (one
     contiguous row each) but map pages of the GGUF that nothing else touches, up to 50 MB of
-    Gemma 3's resident set (docs/benchmarks.md, "Peak RSS: the GGUF pages the refinement mapped")."""
+    Gemma 3's resident set (docs/benchmarks.md, "Peak RSS: the GGUF pages the refinement mapped").
+
+    argmax [N] int64, if given, is filled with each row's argmax of the returned logits where the
+    refinement already knows it (ties: the lower id, as `argmax_rows`), else -1: a greedy step
+    then skips its own pass over the vocabulary."""
     logits = head(hidden).float()
+    if argmax is not None:
+        argmax.fill_(-1)
     if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32 and logits.shape[0]:
-        head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP)
+        head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP, argmax)
     return logits
 
 
