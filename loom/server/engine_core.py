@@ -67,8 +67,10 @@ class EngineCore:
                 self._send(wire.StepOutputs(pending_out, errors, read_engine_sample(self.engine)))
 
     def _drain(self, pending_out: list, errors: list[wire.RequestError]) -> None:
-        """Handles every input message waiting now, without blocking."""
-        while True:
+        """Handles every input message waiting now, without blocking. The socket's event flags
+        say whether one is waiting: a non-blocking receive on an empty socket raises zmq.Again,
+        whose construction cost ~2% of a decode step's time here (py-spy, 8 streams)."""
+        while self.inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
