@@ -433,8 +433,8 @@ class _Recorder:
             self.last = positions[-1].item()
             return forward(ids, positions, meta, kv)
 
-        def spy_logits(hidden):
-            out = logits(hidden)
+        def spy_logits(hidden, argmax=None):
+            out = logits(hidden, argmax)
             self.logits.append((self.last, out[-1]))
             return out
 
