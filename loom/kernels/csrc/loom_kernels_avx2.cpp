@@ -17,10 +17,9 @@
 namespace loom {
 
 struct Isa : Vec256 {
-  static constexpr bool kCodeSums = true;
-  // 8-bit codes keep the affine path: with the zero point, a single activation row (a one-stream
-  // decode step, memory-bound) ran 3-7% slower on Zen 4 (benchmarks/gemm_rate.py, M = 1), where
-  // 8 and 32 rows gained 2-8%
+  // 8-bit codes keep the affine path: with the zero point, a one-stream decode step ran 2-7%
+  // slower on Zen 4 (the GEMM alone at M = 1, benchmarks/gemm_rate.py: 12-18%), where 8 and 32
+  // rows gained 2-8%
   static constexpr bool kZeroPoints8 = false;
 
   // dot[i] = <codes of rows 8h .. 8h+7 of block wp - Z, activation row i> over one 32-group, one

@@ -153,15 +153,10 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
     typename V::I dot[MT];
     V::template dots<BITS, MT, Z>(wp, h, xq, xs, dot);   // row i's codes at xq + 8 i
     const S* sc = (const S*)(wp + CODE_BYTES);
-    const typename V::F av = V::load(sc + h * V::W);
-    if constexpr (Z > 0) {
-      for (int i = 0; i < MT; ++i) acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
-    } else {
-      const typename V::F bv = V::load(sc + ROWS + h * V::W);
-      for (int i = 0; i < MT; ++i) {
-        acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
-        acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);
-      }
+    const typename V::F av = V::load(sc + h * V::W), bv = Z > 0 ? V::zero() : V::load(sc + ROWS + h * V::W);
+    for (int i = 0; i < MT; ++i) {
+      acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
+      if constexpr (Z == 0) acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);   // the offset term b s
     }
   }
 }
