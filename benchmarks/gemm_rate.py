@@ -45,7 +45,8 @@ def main() -> None:
     print(f"kernels {kernels.variant()}, {args.threads} thread(s); GMAC/s per call (best of 5)")
     print("| layer (N x K, bits) | " + " | ".join(f"M = {m}" for m in rows) + " |")
     print("|---|" + "---:|" * len(rows))
-    for (name, (n, k, bits)), zero in ((s, z) for s in SHAPES.items() for z in (0, ZERO[s[1][2]])):
+    forms = [(name, shape, zero) for name, shape in SHAPES.items() for zero in (0, ZERO[shape[2]])]
+    for name, (n, k, bits), zero in forms:
         w, cells = packed(n, k, bits), []
         for m in rows:
             x, out = torch.randn(m, k), torch.empty(m, n)

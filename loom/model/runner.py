@@ -120,12 +120,12 @@ class ModelRunner:
         counts = [1 + len(out.seqs[i].draft_parents) for i in sample_seqs]
         rows = torch.cat([torch.arange(meta.query_starts[i] + meta.query_lens[i] - c, meta.query_starts[i]
                                        + meta.query_lens[i]) for i, c in zip(sample_seqs, counts)])
+        # a plain step's rows' argmax where the output layer's refinement knows it, else -1
+        known = torch.empty(len(rows), dtype=torch.int64) if self.spec is None else None
+        logits = self.model.compute_logits(hidden[rows], known)                      # [R, V]
         if self.spec is None:
-            known = torch.empty(len(rows), dtype=torch.int64)   # rows' argmax where the refinement knows it, else -1
-            logits = self.model.compute_logits(hidden[rows], known)                  # [R, V]
             result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs], known)
         else:
-            logits = self.model.compute_logits(hidden[rows])                         # [R, V]
             self.spec.record_step(out, time.perf_counter() - t0)
             result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
         result.prompt_logprobs.update(prompt_lps)
