@@ -140,7 +140,8 @@ class RunnerOutput:
 class SpecHost:
     """What the runner lends speculative decoding for one step, and nothing more of itself.
 
-    `sample` samples plain rows (one per request) and commits the tokens; `probs` gives one
+    `sample` samples plain rows (one per request) and commits the tokens (its third argument:
+    the rows' argmax where the output layer found it, else -1, or None); `probs` gives one
     request's sampling distribution over several rows (rejection sampling); `request` is a
     read-only view of a request's state (`params`, `generator`, `prompt_token_ids`,
     `output_token_ids`); `commit` appends accepted tokens to its output; `move_kv` copies
@@ -150,7 +151,7 @@ class SpecHost:
     no token (None: the request has no grammar).
     """
 
-    sample: Callable[[Any, list[str]], RunnerOutput]
+    sample: Callable[[Any, list[str], Any], RunnerOutput]
     probs: Callable[[Any, str], Any]
     request: Callable[[str], Any]
     commit: Callable[[str, list[int]], None]

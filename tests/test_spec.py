@@ -70,6 +70,30 @@ def test_greedy_verification_follows_the_argmax_path():
     assert v.accepted_nodes == [] and v.tokens == [5]
 
 
+def test_verification_takes_the_output_layers_argmax_where_it_is_known_and_valid():
+    from types import SimpleNamespace
+
+    from loom.contracts import SpecHost
+    from loom.speculative.decoder import SpecDecoder
+
+    tree = DraftTree((10, 11), (-1, 0))
+    logits = torch.full((3, 16), -1.0)
+    logits[0, 10], logits[1, 11], logits[2, 5] = 1.0, 1.0, 1.0       # the logits' own path: 10, 11, then 5
+    greedy = SimpleNamespace(params=SimpleNamespace(is_greedy=True))
+
+    def host(masked: bool) -> SpecHost:
+        return SpecHost(sample=None, probs=None, request=lambda rid: greedy, commit=None, move_kv=None,
+                        generator=None, constrain=(lambda rid, t, lg: [False] * 3) if masked else
+                        (lambda rid, t, lg: None))
+
+    verdict = SpecDecoder._verify(None, host(False), "r", tree, logits, torch.tensor([10, 11, 7]))
+    assert verdict.tokens == [10, 11, 7]                       # the known argmax (here unlike the logits) is used
+    verdict = SpecDecoder._verify(None, host(False), "r", tree, logits, torch.tensor([10, -1, 7]))
+    assert verdict.tokens == [10, 11, 5]                       # one row unknown: the logits decide
+    verdict = SpecDecoder._verify(None, host(True), "r", tree, logits, torch.tensor([10, 11, 7]))
+    assert verdict.tokens == [10, 11, 5]                       # a grammar's mask changes the argmax: not used
+
+
 def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     assert lookup(toks, 3, 1, 3) == [4, 5, 6]          # latest occurrence of (1, 2, 3)

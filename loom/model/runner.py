@@ -120,14 +120,15 @@ class ModelRunner:
         counts = [1 + len(out.seqs[i].draft_parents) for i in sample_seqs]
         rows = torch.cat([torch.arange(meta.query_starts[i] + meta.query_lens[i] - c, meta.query_starts[i]
                                        + meta.query_lens[i]) for i, c in zip(sample_seqs, counts)])
-        # a plain step's rows' argmax where the output layer's refinement knows it, else -1
-        known = torch.empty(len(rows), dtype=torch.int64) if self.spec is None else None
+        # each row's argmax where the output layer's refinement knows it, else -1
+        known = torch.empty(len(rows), dtype=torch.int64)
         logits = self.model.compute_logits(hidden[rows], known)                      # [R, V]
         if self.spec is None:
             result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs], known)
         else:
             self.spec.record_step(out, time.perf_counter() - t0)
-            result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits)
+            result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits,
+                                    known)
         result.prompt_logprobs.update(prompt_lps)
         result.kv_keep.update(kv_keep)
         return result
@@ -268,7 +269,9 @@ class ModelRunner:
             out.dead_ends.extend(sorted(dead))
             return out
         if all(st.plain_greedy for st in states):  # the common case, without building a sampling batch
-            tokens = known.tolist() if known is not None and bool((known >= 0).all()) else argmax_rows(logits).tolist()
+            tokens = known.tolist() if known is not None else None
+            if tokens is None or min(tokens) < 0:
+                tokens = argmax_rows(logits).tolist()
             for st, tok in zip(states, tokens):
                 self._take(st, tok)
             return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, tokens)}, {})

@@ -101,15 +101,20 @@ class SpecDecoder:
 
     # -- one step -------------------------------------------------------------------------
     def step(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],
-             logits: torch.Tensor) -> RunnerOutput:
+             logits: torch.Tensor, known: torch.Tensor | None = None) -> RunnerOutput:
         """`seqs` are the sampled sequences; `logits` holds `counts[i]` rows for seqs[i] (1, or
-        1 + its draft's nodes); everything of the runner it needs comes through `host`."""
+        1 + its draft's nodes); `known` [R]: each row's argmax where the output layer found it,
+        else -1 (None: not given); everything of the runner it needs comes through `host`."""
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
         plain = [i for i, s in enumerate(seqs) if not s.draft_parents]
-        plain_logits = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
-        result = host.sample(plain_logits, [seqs[i].req_id for i in plain]) if plain else RunnerOutput({})
+        if len(plain) == logits.shape[0]:
+            plain_logits, plain_known = logits, known
+        else:
+            at = [starts[i] for i in plain]
+            plain_logits, plain_known = logits[at], None if known is None else known[at]
+        result = host.sample(plain_logits, [seqs[i].req_id for i in plain], plain_known) if plain else RunnerOutput({})
         # The drafter learns from the rows' top-k. A large batch without drafts (where drafting
         # does not pay) feeds it OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over
         # the vocabulary for every row would cost more than it could teach.
@@ -138,7 +143,8 @@ class SpecDecoder:
             if nd:
                 n_verify += 1
                 tree = DraftTree(tuple(s.token_ids[-nd:]), s.draft_parents)
-                verdict = self._verify(host, s.req_id, tree, logits[starts[i]:starts[i + 1]])
+                verdict = self._verify(host, s.req_id, tree, logits[starts[i]:starts[i + 1]],
+                                       None if known is None else known[starts[i]:starts[i + 1]])
                 if verdict is None:
                     result.dead_ends.append(s.req_id)
                     continue
@@ -163,14 +169,19 @@ class SpecDecoder:
         old = self.overheads.get(part)
         self.overheads[part] = seconds if old is None else (1 - OVERHEAD_EMA) * old + OVERHEAD_EMA * seconds
 
-    def _verify(self, host: SpecHost, req_id: str, tree: DraftTree, logits: torch.Tensor):
+    def _verify(self, host: SpecHost, req_id: str, tree: DraftTree, logits: torch.Tensor,
+                known: torch.Tensor | None = None):
         """The verdict on `tree` from its rows `logits` (masked by the request's grammar first, if
-        it has one); None when the accepted path reaches a row the grammar admits no token in
-        (the request ends there, as plain constrained decoding would)."""
+        it has one; `known`: the rows' argmax as the output layer found it, or -1); None when the
+        accepted path reaches a row the grammar admits no token in (the request ends there, as
+        plain constrained decoding would)."""
         st = host.request(req_id)
         stuck = host.constrain(req_id, tree, logits)
         if st.params.is_greedy:
-            verdict = verify_greedy(tree, argmax_rows(logits).tolist())
+            best = known.tolist() if known is not None and stuck is None else None   # a mask changes the argmax
+            if best is None or min(best) < 0:
+                best = argmax_rows(logits).tolist()
+            verdict = verify_greedy(tree, best)
         else:
             verdict = verify_sampled(tree, host.probs(logits, req_id), st.generator or host.generator)
         if stuck is not None and any(stuck[r] for r in [0] + [n + 1 for n in verdict.accepted_nodes]):
