@@ -193,7 +193,7 @@ def bench(
     threads, prompts = threads or physical_cores(), prompts or SPEC_BENCH_PATH
     if spec:
         _spec_bench(model, threads, prompts, quick, dtype, json_path, markdown, spec_prompts, spec_methods,
-                    spec_repeats, spec_datastore, spec_llamacpp, max_tokens)
+                    spec_repeats, spec_datastore, spec_llamacpp, max_tokens, plot)
         return
     contexts = _int_list(decode_context, "--decode-context")
     _peer_bench(model, threads, prompts, peers or "loom,transformers,llama.cpp", dtype, quick, json_path, plot,
@@ -240,8 +240,8 @@ def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str 
 def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str | None, json_path: Path | None,
                 markdown: Path | None, per_category: int | None, methods: str | None,
                 repeats: int | None, datastore: str | None, llamacpp: bool = True,
-                max_tokens: int | None = None) -> None:
-    from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines
+                max_tokens: int | None = None, plot: Path | None = None) -> None:
+    from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines, write_plots
     from loom.bench.settings import BenchError
 
     settings = SpecBenchSettings.preset(quick)
@@ -270,6 +270,9 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
         json_path.write_text(json.dumps(report, indent=2))
     if markdown is not None:
         markdown.write_text(text + "\n")
+    if plot is not None:
+        for path in write_plots(report, plot):
+            out.print(f"plot written to {escape(str(path))}")
 
 
 @app.command()

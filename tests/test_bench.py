@@ -518,10 +518,12 @@ def test_spec_bench_quick_reports_every_category(tiny_llama_path: Path, prompts_
     md, out = tmp_path / "spec.md", tmp_path / "spec.json"
     result = CliRunner().invoke(app, ["bench", "--spec", "--quick", "--model", str(tiny_llama_path), "--threads", "1",
                                       "--prompts", str(prompts_file), "--spec-methods", "prompt_lookup",
-                                      "--spec-repeats", "2", "--json", str(out), "--markdown", str(md)])
+                                      "--spec-repeats", "2", "--json", str(out), "--markdown", str(md),
+                                      "--plot", str(tmp_path / "plots")])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert set(report["categories"]) == set(CATEGORIES)
+    assert (tmp_path / "plots" / "spec_speedup.png").stat().st_size > 0
     for row in report["categories"].values():
         single = row["prompt_lookup"]["single"]
         assert single["tok_s"] > 0 and single["decode_tok_s"] > 0

@@ -15,7 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from loom.bench.load import LoadSettings
-from loom.bench.server_compare import markdown, run_comparison, seq_tokens, summarize, table, targets
+from loom.bench import server_compare
+from loom.bench.server_compare import (markdown, run_comparison, seq_tokens, summarize, table, targets,
+                                      write_plots)
 from loom.bench.server_peers import (LocalServer, Launch, ServeJob, ServerKind, free_port, llama_server_launch,
                                      parse_server_peers, vllm_launch)
 from loom.bench.settings import BenchError
@@ -151,7 +153,8 @@ def _level(label: str, tok_s: float, ttft: float, itl: float) -> dict:
             "itl_ms": {"p50": itl, "p99": itl}, "errors": 0, "rejected_429": 0}
 
 
-def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path, tiny_gemma3_path: Path) -> None:
+def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path, tiny_gemma3_path: Path,
+                                                                tmp_path: Path) -> None:
     def fake_launch(job: ServeJob) -> Launch:
         return Launch([sys.executable, str(fake_server), str(job.port), "0"], {})
 
@@ -193,6 +196,12 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
                                       ["32", "max", "peer"]]
     assert cells[1][header.index("loom vs it: tok/s")] == "2.50×" and cells[0][header.index("loom vs it: tok/s")] == ""
     assert "| 8 | max | peer |" in markdown(report) and "streaming POST /v1/completions" in markdown(report)
+    [chart] = write_plots(report, tmp_path / "plots")
+    assert chart.name == "server_compare.png" and chart.stat().st_size > 0
+    saved = tmp_path / "compare.json"
+    saved.write_text(json.dumps(report))
+    server_compare.main([str(saved), "--plot", str(tmp_path / "again")])    # a saved report, charted later
+    assert (tmp_path / "again" / "server_compare.png").is_file()
 
 
 def test_summary_without_loom_has_no_ratios() -> None:
@@ -213,8 +222,10 @@ def test_bench_starts_loom_serve_and_loads_it(model: str, endpoint: str, tmp_pat
     report_path = tmp_path / "compare.json"
     result = CliRunner().invoke(app, ["bench", "--server", "start", "--peers", "loom", "--model", str(gguf),
                                       "--threads", "1", "--rates", "max", "--num-requests", "2,3", "--max-tokens", "4",
-                                      "--prompts", str(prompts), "--json", str(report_path)])
+                                      "--prompts", str(prompts), "--json", str(report_path),
+                                      "--plot", str(tmp_path / "plots")])
     assert result.exit_code == 0, result.output
+    assert (tmp_path / "plots" / "server_compare.png").stat().st_size > 0
     report = json.loads(report_path.read_text())
     assert [r["label"] for r in report["runs"]] == ["loom"] and report["slots"] == 3
     assert report["endpoint"] == endpoint and f"{endpoint} endpoint" in result.output

@@ -18,6 +18,7 @@ from loom.bench.load import (AUTO, DEFAULT_MAX_TOKENS, DEFAULT_RATES, DEFAULT_RE
 from loom.bench.load_report import print_report, write_plots
 from loom.bench.prompts import SPEC_BENCH_PATH
 from loom.bench.server_compare import run_comparison, table, targets
+from loom.bench.server_compare import write_plots as compare_plots
 from loom.bench.settings import BenchError
 from loom.config import physical_cores
 from loom.loader.registry import resolve_model
@@ -79,11 +80,11 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
             for path in write_plots(report, plot):
                 out.print(f"plot written to {escape(str(path))}")
         return
-    _compare(url, plans, model, peers, rounds, threads, json_path, out, err)
+    _compare(url, plans, model, peers, rounds, threads, json_path, plot, out, err)
 
 
 def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str | None, rounds: int,
-             threads: int | None, json_path: Path | None, out: Console, err: Console) -> None:
+             threads: int | None, json_path: Path | None, plot: Path | None, out: Console, err: Console) -> None:
     """The same plans against the server at `url` and/or the started --peers, interleaved."""
     columns = targets(url, peers)
     gguf = resolve_model(model) if model and any(t.kind for t in columns) else None
@@ -104,3 +105,6 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
     for t in report["targets"]:
         out.print(f"• {escape(t['label'])}: {escape(t['about'])}")
     _write_json(report, json_path, out)
+    if plot is not None:
+        for path in compare_plots(report, plot):
+            out.print(f"plot written to {escape(str(path))}")

@@ -202,12 +202,59 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines + [""] + about + ([f"* start-up: {'; '.join(starts)}"] if starts else []))
 
 
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """server_compare.png: per (request count, rate), each server's output tok/s, TTFT p50 and ITL
+    p50, a bar at the median over the rounds and a dot per round; returns its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    labels = [t["label"] for t in report["targets"]]
+    points = [(row["requests"], row["rate"]) for row in report["summary"]]
+    if not points:
+        raise BenchError("the report holds no measured level to plot")
+    levels = _levels(report["runs"])
+    rounds = sorted({r for (_, r, _, _) in levels})
+    width = 0.8 / len(labels)
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4.5))
+    for ax, (key, name, _, get, higher) in zip(axes, METRICS):
+        for j, label in enumerate(labels):
+            xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(points))]
+            medians = [row["values"][label][key] for row in report["summary"]]
+            ax.bar(xs, [m or 0 for m in medians], width, label=label, color=f"C{j}", alpha=0.8)
+            for x, (count, rate) in zip(xs, points):
+                vals = [get(lv) for r in rounds if (lv := levels.get((label, r, count, rate))) is not None]
+                ax.plot([x] * len(vals), vals, "k.", markersize=4)
+        ax.set_xticks(range(len(points)), [f"{count} requests\nrate {rate}" for count, rate in points])
+        ax.set_ylabel(name)
+        ax.set_title(f"{name} ({'higher' if higher else 'lower'} is better)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    model = Path(report["model"]).name if report.get("model") else "the server"
+    fig.suptitle(f"{model}: {', '.join(labels)}; {report['threads']} threads, {report['rounds']} round(s), "
+                 f"{report.get('endpoint', 'chat')} endpoint (bars: medians, dots: rounds)")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "server_compare.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m loom.bench.server_compare REPORT.json`` prints the Markdown table of a report."""
+    """``python -m loom.bench.server_compare REPORT.json [--plot DIR]`` prints the Markdown table of a
+    report (and writes its chart into DIR)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: python -m loom.bench.server_compare REPORT.json")
-    print(markdown(json.loads(Path(args[0]).read_text(encoding="utf-8"))))
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--plot"):
+        raise SystemExit("usage: python -m loom.bench.server_compare REPORT.json [--plot DIR]")
+    report = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    print(markdown(report))
+    if len(args) == 3:
+        for path in write_plots(report, Path(args[2])):
+            print(f"plot written to {path}")
 
 
 if __name__ == "__main__":

@@ -270,3 +270,36 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
                          f"{_x(sp['single_e2e'])} | {_x(sp['concurrent'])} | {_x(sp['llama.cpp'])} |")
         lines.append("")
     return lines
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """spec_speedup.png: per method, each category's decode speedup alone and at CONCURRENCY
+    requests, with the 1.0 line; returns its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    methods, cats = report["settings"]["methods"], list(report["categories"])
+    fig, axes = plt.subplots(len(methods), 1, figsize=(max(8.0, 0.8 * len(cats)), 3.2 * len(methods)), squeeze=False)
+    for ax, method in zip(axes[:, 0], methods):
+        speed = [_speedups(report["categories"][c], method) for c in cats]
+        for j, (mode, name) in enumerate((("single", "single stream"), ("concurrent", f"{CONCURRENCY} concurrent"))):
+            ax.bar([i + (j - 0.5) * 0.4 for i in range(len(cats))], [s[mode] or 0 for s in speed], 0.4,
+                   label=name, color=f"C{j}")
+        ax.axhline(1.0, color="grey", linewidth=1)
+        ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+        ax.set_ylabel("decode speedup")
+        ax.set_title(f"`{method}` over plain decoding")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"Spec-Bench, {report['model']}, {report['threads']} threads, greedy, "
+                 f"{report['settings']['max_tokens']} new tokens")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "spec_speedup.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
