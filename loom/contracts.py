@@ -112,6 +112,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
     preempted_req_ids: list[str] = field(default_factory=list)
     kv_moves: list[tuple[int, int]] = field(default_factory=list)  # KV eviction: (src, dst) slots, first of all
+    num_waiting: int = 0       # requests left waiting after this step's schedule (none: the batch is closed)
 
     @property
     def num_tokens(self) -> int:

@@ -140,10 +140,12 @@ def test_max_num_seqs_limits_running_requests():
     s, runner = make_scheduler(budget=64, max_seqs=2), FakeRunner()
     for i, rid in enumerate("abc"):
         s.add(make_request(rid, 2, max_tokens=3, first=100 * (i + 1)))
-    assert grants(step(s, runner)) == [("a", 2), ("b", 2)]
+    first = step(s, runner)
+    assert grants(first) == [("a", 2), ("b", 2)] and first.num_waiting == 1   # c waits
     assert grants(step(s, runner)) == [("a", 1), ("b", 1)]
     assert grants(step(s, runner)) == [("a", 1), ("b", 1)]
-    assert grants(step(s, runner)) == [("c", 2)]
+    last = step(s, runner)
+    assert grants(last) == [("c", 2)] and last.num_waiting == 0
 
 
 def test_waiting_requests_are_admitted_by_priority_then_arrival():

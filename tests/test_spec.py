@@ -94,6 +94,14 @@ def test_verification_takes_the_output_layers_argmax_where_it_is_known_and_valid
     assert verdict.tokens == [10, 11, 5]                       # a grammar's mask changes the argmax: not used
 
 
+def test_a_closed_batch_drafts_only_for_the_requests_furthest_behind():
+    from loom.speculative.decoder import behind
+
+    # tokens left: a and c are furthest behind (the median is 7.5); d, which has 3 left, ends first
+    assert behind(["a", "b", "c", "d"], [8, 5, 8, 3], [10, 5, 10, 3]) == (["a", "c"], [8, 8])
+    assert behind(["a", "b"], [4, 4], [9, 9]) == (["a", "b"], [4, 4])       # level: all of them
+
+
 def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     assert lookup(toks, 3, 1, 3) == [4, 5, 6]          # latest occurrence of (1, 2, 3)

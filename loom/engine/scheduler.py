@@ -269,7 +269,7 @@ class Scheduler:
                                          self.kv.block_table(req.request_id), True, draft.parents))
             self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
         finished, self._finished_since_last = self._finished_since_last, []
-        return SchedulerOutput(seqs, new, finished, copies, preempted, moves)
+        return SchedulerOutput(seqs, new, finished, copies, preempted, moves, len(self.waiting))
 
     def _evicting_seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
         """The step of a request under KV eviction: its new tokens go at KV index kv_len; an

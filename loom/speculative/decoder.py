@@ -26,6 +26,7 @@ committed. The `grammar` drafter proposes the text the grammar forces (jump-forw
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -53,6 +54,17 @@ class SpecStats:
     num_draft_tokens: int = 0           # their nodes
     num_accepted_tokens: int = 0        # nodes accepted
     accepted_per_pos: list[int] = field(default_factory=list)  # [d]: trees whose node at depth d+1 was accepted
+
+
+def behind(cands: list[str], caps: list[int], lefts: list[int]) -> tuple[list[str], list[int]]:
+    """The candidates with at least the median budget left (`lefts`: tokens each may still
+    generate). With no request waiting the batch ends with its last request: tokens a request
+    ahead of the others gains shorten nothing (they only thin the steps after it ends), while
+    its draft nodes make every step slower now, the last request's included. So in a closed
+    batch only the requests furthest behind draft; in turn, as they catch up."""
+    cut = statistics.median(lefts)
+    keep = [i for i, left in enumerate(lefts) if left >= cut]
+    return [cands[i] for i in keep], [caps[i] for i in keep]
 
 
 def eligible(params, num_output: int) -> bool:
@@ -161,7 +173,7 @@ class SpecDecoder:
                     topk[starts[i]:starts[i + 1]], accepted))
         if n_verify:
             self._overhead("verify", (time.perf_counter() - t_verify) / n_verify)
-        result.drafts.update(self._propose(host, seqs, len(out.seqs)))
+        result.drafts.update(self._propose(host, seqs, len(out.seqs), out.num_waiting))
         return result
 
     def _overhead(self, part: str, seconds: float) -> None:
@@ -203,14 +215,17 @@ class SpecDecoder:
             st.accepted_per_pos[d] += 1
         self.controller.record(req_id, accepted, max(tree.depths))
 
-    def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int) -> dict[str, DraftTree]:
-        cands, caps = [], []
+    def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int = 0) -> dict[str, DraftTree]:
+        cands, caps, lefts = [], [], []
         for s in seqs:
             st = host.request(s.req_id)
             left = (st.params.max_tokens or 1 << 30) - len(st.output_token_ids) - 1
             if eligible(st.params, len(st.output_token_ids)) and left > 0:
                 cands.append(s.req_id)
                 caps.append(min(self.config.num_speculative_tokens, left))
+                lefts.append(left)
+        if not waiting and len(cands) > 1:
+            cands, caps = behind(cands, caps, lefts)
         if not cands:
             return {}
         context = sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
