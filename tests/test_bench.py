@@ -527,6 +527,7 @@ def test_spec_bench_quick_reports_every_category(tiny_llama_path: Path, prompts_
     for row in report["categories"].values():
         single = row["prompt_lookup"]["single"]
         assert single["tok_s"] > 0 and single["decode_tok_s"] > 0
+        assert [len(row["prompt_lookup"]["paired"][m]) for m in ("single", "concurrent")] == [2, 2]   # one per repeat
         assert single["decode_tokens"] == single["tokens"] - row["prompts"]   # the first tokens are not decode
     text = md.read_text()
     assert "### `prompt_lookup`" in text and all(f"| {c} |" in text for c in CATEGORIES)
@@ -542,6 +543,20 @@ def test_spec_bench_keeps_each_engines_fastest_run_and_adds_up_its_drafts() -> N
     best = _fastest(_fastest(None, run(100.0, 50.0, 3)), run(90.0, 60.0, 4))
     assert best["single"]["decode_tok_s"] == 100.0 and best["concurrent"]["decode_tok_s"] == 60.0
     assert best["num_drafts"] == 7 and best["num_accepted_tokens"] == 14
+
+
+def test_spec_bench_speedups_are_the_median_of_the_paired_ratios() -> None:
+    from loom.bench.spec_bench import _speedups
+
+    runs = {"single": {"decode_tok_s": 100.0, "tok_s": 90.0}, "concurrent": {"decode_tok_s": 400.0, "tok_s": 380.0}}
+    fast = {"single": {"decode_tok_s": 130.0, "tok_s": 110.0}, "concurrent": {"decode_tok_s": 300.0, "tok_s": 290.0}}
+    row = {"loom": runs, "auto": fast | {"paired": {"single": [1.1, 1.4, 1.2], "concurrent": [0.99, 1.01, 0.97]}}}
+    got = _speedups(row, "auto")
+    # paired: each repetition's ratio, medians 1.2 and 0.99 (the fastest runs' ratio would be 1.3 and 0.75)
+    assert got["single"] == pytest.approx(1.2) and got["concurrent"] == pytest.approx(0.99)
+    assert got["single_e2e"] == pytest.approx(110 / 90)
+    del row["auto"]["paired"]                      # a report from before the paired ratios
+    assert _speedups(row, "auto")["concurrent"] == pytest.approx(0.75)
 
 
 def test_spec_bench_rejects_unknown_methods(tiny_llama_path: Path) -> None:

@@ -9,15 +9,17 @@ greedy decoding:
 for loom without speculation, loom with each method, and (single stream, where
 llama-cpp-python is installed) llama.cpp without and with its prompt-lookup drafter
 (`LlamaPromptLookupDecoding`). Engines run one after another in this process and share
-one copy of the weights; each loom engine runs `repeats` times, interleaved with the others,
-and its fastest run counts. Reported: accepted draft tokens per verification step, tokens
-per step, and speedups over plain loom and over llama.cpp's prompt lookup.
+one copy of the weights; each loom engine runs `repeats` times, interleaved with the others.
+Reported: accepted draft tokens per verification step, tokens per step, each engine's fastest
+run, and speedups over plain loom (the median of the repetitions' paired ratios) and over
+llama.cpp's prompt lookup.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ class SpecBenchSettings:
     prompt_tokens: int = 768
     methods: tuple[str, ...] = METHODS
     dtype: str = "auto"
-    repeats: int = 2                 # runs of every engine, interleaved; the fastest counts
+    repeats: int = 2                 # runs of every engine, interleaved; speedups: the median paired ratio
     datastore: str | None = None     # corpus of methods retrieval and auto
     llamacpp: bool = True            # also time llama.cpp with and without its prompt lookup (if installed)
 
@@ -177,26 +179,38 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
     for cat, prompts in cats.items():
         batch = [prompts[i % len(prompts)] for i in range(CONCURRENCY)]
         row: dict[str, Any] = {"prompts": len(prompts)}
-        # Repetitions interleave the engines (plain, each method, then the reverse order, ...),
-        # each on fresh engines (no prefix cache or learned drafter state carried over); the
-        # fastest run of each engine counts, which keeps one slow moment of the machine out of
-        # a ratio. The order alternates so that neither engine always runs first: a run that
-        # follows the engines' construction was seen 20% faster than the runs after it.
+        paired = {m: {"single": [], "concurrent": []} for m in settings.methods}   # per repetition
+        # Repetitions interleave the engines: each runs its single-stream prompts (plain, each
+        # method, then the reverse order, ...), then each its concurrent batch in the same order,
+        # so that one mode's runs of all engines lie seconds apart. Every run is on a fresh engine
+        # (no prefix cache or learned drafter state carried over: a drafter that remembers
+        # finished requests would copy the single-stream answers into the concurrent run). The
+        # host's speed drifts by 10-20% over tens of seconds, so the speedups are the median of
+        # each repetition's paired ratio; the fastest run of each engine is kept for its speeds.
+        # The order alternates so that neither engine always runs first: a run that follows the
+        # engines' construction was seen 20% faster than the runs after it.
         for rep in range(settings.repeats):
             labels = ("loom",) + settings.methods
-            for label in labels if rep % 2 == 0 else labels[::-1]:
-                spec = None if label == "loom" else _spec_config(label, settings)
-                # a fresh engine per mode: the concurrent run repeats the single-stream prompts, whose
-                # outputs a drafter that remembers finished requests (retrieval) would copy
-                single, concurrent = engine(spec), engine(spec)
-                entry = {"single": _loom_run(single, prompts, settings.max_tokens, False),
-                         "concurrent": _loom_run(concurrent, batch, settings.max_tokens, True)}
-                if label != "loom":
-                    st = single.spec.stats
-                    entry |= {"num_drafts": st.num_drafts, "num_accepted_tokens": st.num_accepted_tokens}
-                row[label] = _fastest(row.get(label), entry)
+            order = labels if rep % 2 == 0 else labels[::-1]
+            entries: dict[str, dict[str, Any]] = {label: {} for label in labels}
+            for mode, group in (("single", prompts), ("concurrent", batch)):
+                for label in order:
+                    spec = None if label == "loom" else _spec_config(label, settings)
+                    eng = engine(spec)
+                    entries[label][mode] = _loom_run(eng, group, settings.max_tokens, mode == "concurrent")
+                    if label != "loom" and mode == "single":
+                        st = eng.spec.stats
+                        entries[label] |= {"num_drafts": st.num_drafts, "num_accepted_tokens": st.num_accepted_tokens}
+            for label in labels:
+                row[label] = _fastest(row.get(label), entries[label])
+            for method in settings.methods:
+                for mode in ("single", "concurrent"):
+                    ratio = _ratio(entries[method][mode]["decode_tok_s"], entries["loom"][mode]["decode_tok_s"])
+                    if ratio is not None:
+                        paired[method][mode].append(ratio)
         for method in settings.methods:
             m = row[method]
+            m["paired"] = paired[method]
             m["accepted_per_draft"] = m["num_accepted_tokens"] / m["num_drafts"] if m["num_drafts"] else 0.0
         for label, lookup in (("llama.cpp", False), ("llama.cpp+lookup", True)) if settings.llamacpp else ():
             res = _llamacpp_run(path, threads, prompts, settings.max_tokens, lookup)
@@ -208,12 +222,19 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
 
 
 def _speedups(row: dict[str, Any], method: str) -> dict[str, float | None]:
-    """Decode-phase speedups (single stream, concurrent), end-to-end single-stream speedup, and the
-    single-stream decode speed over llama.cpp's prompt lookup."""
+    """Decode-phase speedups (single stream, concurrent: the median of the repetitions' paired
+    ratios, or of the fastest runs in reports without them), end-to-end single-stream speedup,
+    and the single-stream decode speed over llama.cpp's prompt lookup."""
     m, base = row[method], row["loom"]
     lcpp = row.get("llama.cpp+lookup")
-    return {"single": _ratio(m["single"]["decode_tok_s"], base["single"]["decode_tok_s"]),
-            "concurrent": _ratio(m["concurrent"]["decode_tok_s"], base["concurrent"]["decode_tok_s"]),
+    paired = m.get("paired", {})
+
+    def speedup(mode: str) -> float | None:
+        if paired.get(mode):
+            return statistics.median(paired[mode])
+        return _ratio(m[mode]["decode_tok_s"], base[mode]["decode_tok_s"])
+
+    return {"single": speedup("single"), "concurrent": speedup("concurrent"),
             "single_e2e": _ratio(m["single"]["tok_s"], base["single"]["tok_s"]),
             "llama.cpp": _ratio(m["single"]["decode_tok_s"], lcpp["single"]["decode_tok_s"]) if lcpp else None}
 
@@ -252,7 +273,9 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
              f"chat template), greedy, {s['max_tokens']} new "
              f"tokens, dtype {s['dtype']}. Speedups are of decode speed (output tokens after the first, over the "
              f"time after the first; speculation cannot change the prompt's prefill) with speculation over "
-             f"without; e2e = whole requests, prefill included; vs llama.cpp = decode speed over llama.cpp with "
+             f"without, the median over the {s['repeats']} repetitions of each one's paired ratio (engines run "
+             f"seconds apart; decode tok/s: the fastest run); e2e = whole requests, prefill included (fastest "
+             f"runs); vs llama.cpp = decode speed over llama.cpp with "
              f"`LlamaPromptLookupDecoding` (single stream); tokens / step: single stream, prefill steps included; "
              f"accepted / draft: single stream.", ""]
     lines += _summary(report)
