@@ -142,7 +142,8 @@ class SpecHost:
     """What the runner lends speculative decoding for one step, and nothing more of itself.
 
     `sample` samples plain rows (one per request) and commits the tokens (its third argument:
-    the rows' argmax where the output layer found it, else -1, or None); `probs` gives one
+    the rows' argmax where the output layer found it, else -1, or None; its fourth: which rows of
+    the logits are those requests', None for all); `probs` gives one
     request's sampling distribution over several rows (rejection sampling); `request` is a
     read-only view of a request's state (`params`, `generator`, `prompt_token_ids`,
     `output_token_ids`); `commit` appends accepted tokens to its output; `move_kv` copies
@@ -152,7 +153,7 @@ class SpecHost:
     no token (None: the request has no grammar).
     """
 
-    sample: Callable[[Any, list[str], Any], RunnerOutput]
+    sample: Callable[[Any, list[str], Any, Any], RunnerOutput]
     probs: Callable[[Any, str], Any]
     request: Callable[[str], Any]
     commit: Callable[[str, list[int]], None]

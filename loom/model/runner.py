@@ -256,12 +256,23 @@ class ModelRunner:
                     for st in states],
         )
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str], known: torch.Tensor | None = None) -> RunnerOutput:
+    def _sample(self, logits: torch.Tensor, req_ids: list[str], known: torch.Tensor | None = None,
+                rows: list[int] | None = None) -> RunnerOutput:
         """known [R]: each row's argmax where the output layer already found it, else -1 (valid
-        for the logits as computed: a grammar's mask changes them, and then it is not used)."""
+        for the logits as computed: a grammar's mask changes them, and then it is not used).
+        rows: which rows of `logits` are req_ids' (None: all, in order); they are gathered only
+        where the logits are read (a speculative step's plain rows, taken by their known argmax,
+        are not: a gather of 262k-wide rows costs ~0.1 ms each)."""
         states = [self.states[r] for r in req_ids]
         if any(st.matcher is not None for st in states):
             known = None
+        if rows is not None:
+            best = known.tolist() if known is not None and all(st.plain_greedy for st in states) else None
+            if best is not None and min(best) >= 0:
+                for st, tok in zip(states, best):
+                    self._take(st, tok)
+                return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, best)}, {})
+            logits = logits[rows]
         dead = self._mask_constrained(logits, req_ids, states)
         if dead:
             keep = [i for i, rid in enumerate(req_ids) if rid not in dead]

@@ -121,12 +121,9 @@ class SpecDecoder:
         for c in counts:
             starts.append(starts[-1] + c)
         plain = [i for i, s in enumerate(seqs) if not s.draft_parents]
-        if len(plain) == logits.shape[0]:
-            plain_logits, plain_known = logits, known
-        else:
-            at = [starts[i] for i in plain]
-            plain_logits, plain_known = logits[at], None if known is None else known[at]
-        result = host.sample(plain_logits, [seqs[i].req_id for i in plain], plain_known) if plain else RunnerOutput({})
+        at = None if len(plain) == logits.shape[0] else [starts[i] for i in plain]
+        plain_known = known if at is None or known is None else known[at]
+        result = host.sample(logits, [seqs[i].req_id for i in plain], plain_known, at) if plain else RunnerOutput({})
         # The drafter learns from the rows' top-k. A large batch without drafts (where drafting
         # does not pay) feeds it OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over
         # the vocabulary for every row would cost more than it could teach.
