@@ -271,7 +271,8 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
     H, Hkv = num_heads, k_cache.shape[1]
     D = qkv.shape[1] // (H + 2 * Hkv)       # the cache's rows may be quantized: not k_cache.shape[2]
-    _observe(meta, qkv.view(qkv.shape[0], -1, D)[:, :num_heads], window)
+    if meta.observe_rows is not None:      # a view per layer and step costs more than the check
+        _observe(meta, qkv.view(qkv.shape[0], -1, D)[:, :num_heads], window)
     rows = meta.kernel_rows()
     if not rows.rest:   # every token is a row: the kernel reads q straight from the qkv rows
         return kern.attn_decode(qkv, k_cache, v_cache, rows.slots, rows.ctx, H, Hkv, scale, window or 0,
