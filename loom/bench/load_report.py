@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from loom.bench.plots import pyplot
 from loom.bench.settings import BenchError
 
 
@@ -148,13 +149,7 @@ def _x_positions(report: dict[str, Any]) -> tuple[list[float], list[str]]:
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """load_throughput.png (achieved vs offered req/s, output tok/s) and load_latency.png (TTFT,
     ITL, E2E p50/p99) against the offered rate; returns their paths."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     xs, labels = _x_positions(report)

@@ -9,6 +9,18 @@ from typing import Any
 from loom.bench.settings import BenchError
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the headless Agg backend, or BenchError where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    return plt
+
+
 def _series(report: dict[str, Any], *keys: str) -> dict[str, tuple[list[int], list[float]]]:
     """``{engine: (concurrency levels, values)}`` for the ok engines that have the value."""
     out: dict[str, tuple[list[int], list[float]]] = {}
@@ -30,13 +42,7 @@ def _series(report: dict[str, Any], *keys: str) -> dict[str, tuple[list[int], li
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write throughput.png, latency.png and single_stream.png into `out_dir`; return their paths."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     title = f"{Path(report['model']['path']).name}, {report['threads']} threads"

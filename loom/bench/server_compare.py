@@ -30,6 +30,7 @@ from typing import Any
 from loom.bench.load import AUTO, LoadSettings, endpoint_for_gguf, run_load
 from loom.bench.server_peers import (LocalServer, ServeJob, ServerKind, free_port,
                                      parse_server_peers)
+from loom.bench.plots import pyplot
 from loom.bench.settings import BenchError
 
 LOOM = "loom"
@@ -205,13 +206,7 @@ def markdown(report: dict[str, Any]) -> str:
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """server_compare.png: per (request count, rate), each server's output tok/s, TTFT p50 and ITL
     p50, a bar at the median over the rounds and a dot per round; returns its path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
     labels = [t["label"] for t in report["targets"]]
     points = [(row["requests"], row["rate"]) for row in report["summary"]]
     if not points:

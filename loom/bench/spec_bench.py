@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.bench.plots import pyplot
 from loom.bench.settings import BenchError
 
 METHODS = ("prompt_lookup", "token_recycling", "lookahead", "retrieval", "auto")
@@ -298,13 +299,7 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """spec_speedup.png: per method, each category's decode speedup alone and at CONCURRENCY
     requests, with the 1.0 line; returns its path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise BenchError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
     methods, cats = report["settings"]["methods"], list(report["categories"])
     fig, axes = plt.subplots(len(methods), 1, figsize=(max(8.0, 0.8 * len(cats)), 3.2 * len(methods)), squeeze=False)
     for ax, method in zip(axes[:, 0], methods):
