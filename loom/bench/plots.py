@@ -21,6 +21,17 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lays out `fig`, writes it to `path` (creating its directory) and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _series(report: dict[str, Any], *keys: str) -> dict[str, tuple[list[int], list[float]]]:
     """``{engine: (concurrency levels, values)}`` for the ok engines that have the value."""
     out: dict[str, tuple[list[int], list[float]]] = {}

@@ -30,7 +30,7 @@ from typing import Any
 from loom.bench.load import AUTO, LoadSettings, endpoint_for_gguf, run_load
 from loom.bench.server_peers import (LocalServer, ServeJob, ServerKind, free_port,
                                      parse_server_peers)
-from loom.bench.plots import pyplot
+from loom.bench.plots import pyplot, save_figure
 from loom.bench.settings import BenchError
 
 LOOM = "loom"
@@ -231,12 +231,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     model = Path(report["model"]).name if report.get("model") else "the server"
     fig.suptitle(f"{model}: {', '.join(labels)}; {report['threads']} threads, {report['rounds']} round(s), "
                  f"{report.get('endpoint', 'chat')} endpoint (bars: medians, dots: rounds)")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "server_compare.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir / "server_compare.png")]
 
 
 def main(argv: list[str] | None = None) -> None:

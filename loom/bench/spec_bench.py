@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loom.bench.plots import pyplot
+from loom.bench.plots import pyplot, save_figure
 from loom.bench.settings import BenchError
 
 METHODS = ("prompt_lookup", "token_recycling", "lookahead", "retrieval", "auto")
@@ -315,9 +315,4 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.legend(fontsize="small")
     fig.suptitle(f"Spec-Bench, {report['model']}, {report['threads']} threads, greedy, "
                  f"{report['settings']['max_tokens']} new tokens")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "spec_speedup.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out_dir / "spec_speedup.png")]
