@@ -102,6 +102,49 @@ def test_a_closed_batch_drafts_only_for_the_requests_furthest_behind():
     assert behind(["a", "b"], [4, 4], [9, 9]) == (["a", "b"], [4, 4])       # level: all of them
 
 
+def test_an_idle_plain_batch_feeds_the_drafter_nothing():
+    from types import SimpleNamespace
+
+    from loom.speculative.decoder import OBSERVE_PLAIN_BATCH, SpecDecoder
+
+    dec = SpecDecoder.__new__(SpecDecoder)
+    dec.drafter, dec._turn = SimpleNamespace(observe_topk=2), 0
+    dec.controller = ctl = SpecController(8, depth=lambda k: k)
+    plain = [SimpleNamespace(draft_parents=()) for _ in range(4)]
+    logits = torch.randn(4, 16)
+    rows = dec._observed(plain, True, logits, 4)
+    assert sum(r is not None for r in rows) == OBSERVE_PLAIN_BATCH          # a plain batch: a few rows in turn
+    assert rows[1] == logits[1].topk(2).indices.tolist() or rows[2] == logits[2].topk(2).indices.tolist()
+    ctl.cost.observe(4, 0, 0.010)
+    ctl.cost.observe(4, 32, 0.100)             # drafts do not pay at this batch: the next plans skip the search
+    assert ctl.plan(["a", "b", "c", "d"], 4, [8] * 4, 0.0) == [0] * 4 and ctl.idle(4)
+    assert dec._observed(plain, True, logits, 4) is None                  # idle: no top-k at all
+    assert len(dec._observed(plain, False, logits, 4)) == 4                # a draft verified: every row
+    assert not ctl.idle(2) and dec._observed(plain[:2], True, logits[:2], 2) is not None
+
+
+def test_probes_are_spaced_by_what_one_node_costs():
+    from loom.speculative.controller import PROBE_EVERY
+
+    def probes(cost_of_one: float, steps: int = 2000) -> tuple[float, int]:
+        ctl = SpecController(8, depth=lambda k: k)
+        ctl.cost.observe(8, 0, 0.008)
+        ctl.cost.observe(8, 1, cost_of_one)
+        ctl.cost.observe(8, 64, 0.100)         # real drafts never pay here
+        ids = [f"s{i}" for i in range(8)]
+        for _ in range(10):
+            for rid in ids:
+                ctl.record(rid, 0, 4)
+        return ctl.probe_every(8), sum(sum(ctl.plan(ids, 8, [8] * 8, 0.0)) for _ in range(steps))
+
+    # one node for a row's share of the step (1 ms of 8): a probe per sequence every PROBE_EVERY x 8 steps
+    every, n = probes(0.0085)
+    assert every == PROBE_EVERY * 8 and n == 8 * (2000 // every)
+    # one node that costs 4 rows' shares (a tile of its own): probes 4x further apart
+    every, n = probes(0.012)
+    assert every == pytest.approx(4 * PROBE_EVERY * 8) and n == 8 * int(2000 // every)
+
+
 def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     assert lookup(toks, 3, 1, 3) == [4, 5, 6]          # latest occurrence of (1, 2, 3)

@@ -25,7 +25,8 @@ the forward pass) is measured as it runs. The prefix of increments that maximise
 if it beats plain decoding by MARGIN (estimates are noisy; a wrong guess must not cost).
 When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
 and the step runs plain decoding. A sequence left without drafts is offered a one-node
-probe every PROBE_EVERY x batch steps so that its estimate can recover. After a plan without
+probe every PROBE_EVERY x batch steps (more where one node costs more than a sequence's share
+of a step) so that its estimate can recover. After a plan without
 drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run),
 twice as many after each further plan without drafts, up to IDLE_MAX - 1: where drafting does
 not pay, the search is most of speculation's cost.
@@ -211,6 +212,10 @@ class SpecController:
     def finish(self, req_id: str) -> None:
         self.rates.pop(req_id, None)
 
+    def idle(self, batch: int) -> bool:
+        """Whether the next plan at this batch size skips its search (the last drafted nothing)."""
+        return self.adaptive and self._idle_plans.get(batch, 0) > 0
+
     def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float,
              seq_overhead: float = 0.0, context: int = 0) -> list[int]:
         """Nodes per sequence (0: no draft) for a next step of `batch` sequences in all;
@@ -222,7 +227,7 @@ class SpecController:
         sizes = [0] * len(req_ids)
         if self._idle_plans.get(batch, 0) > 0:    # drafting did not pay at this batch just now
             self._idle_plans[batch] -= 1
-            return self._probe(req_ids, sizes, caps, batch)
+            return self._probe(req_ids, sizes, caps, batch, context)
         heap = []
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
@@ -252,7 +257,7 @@ class SpecController:
         streak = 0 if best_at else self._idle_streak.get(batch, 0) + 1
         self._idle_streak[batch] = streak
         self._idle_plans[batch] = min(IDLE_REPLAN << (streak - 1), IDLE_MAX) - 1 if streak else 0
-        return self._probe(req_ids, sizes, caps, batch)
+        return self._probe(req_ids, sizes, caps, batch, context)
 
     def _push(self, heap, i: int, k: int, a: float, cap: int) -> None:
         """The next increment of sequence i from k nodes: up to the size where its depth grows."""
@@ -264,12 +269,23 @@ class SpecController:
                 heapq.heappush(heap, (-gain / (k2 - k), i, k2, gain, a))
                 return
 
-    def _probe(self, req_ids: list[str], sizes: list[int], caps: list[int], batch: int) -> list[int]:
-        """A sequence idle for PROBE_EVERY * batch steps drafts one node: probes cost about one
-        sequence's share of a step wherever the batch is, never more than 1/PROBE_EVERY of it."""
+    def _probe(self, req_ids: list[str], sizes: list[int], caps: list[int], batch: int, context: int = 0) -> list[int]:
+        """A sequence idle for `probe_every` steps drafts one node (a probe)."""
+        every = self.probe_every(batch, context)
         for i, rid in enumerate(req_ids):
             r = self.rates.setdefault(rid, _Rate())
             r.idle = 0 if sizes[i] else r.idle + 1
-            if r.idle >= PROBE_EVERY * batch and caps[i]:
+            if r.idle >= every and caps[i]:
                 sizes[i], r.idle = 1, 0
         return sizes
+
+    def probe_every(self, batch: int, context: int = 0) -> float:
+        """Idle steps between a sequence's probes: PROBE_EVERY x batch, so that probes cost about
+        1/PROBE_EVERY of one sequence's share of the steps, stretched by what a one-node probe
+        costs over that share. One more row can cost far more than a row's share: past a full
+        register tile of rows (8 on AVX-512) it streams the weights again in a tile of its own,
+        +40% of an 8-row SmolLM2 step where a row's share is 12%. The cost model learns a probe
+        step's cost from the first one timed."""
+        c0 = self.cost.cost(batch, 0, context)
+        share = c0 / batch
+        return PROBE_EVERY * batch * max(1.0, (self.cost.cost(batch, 1, context) - c0) / share)

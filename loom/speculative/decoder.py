@@ -124,26 +124,44 @@ class SpecDecoder:
         at = None if len(plain) == logits.shape[0] else [starts[i] for i in plain]
         plain_known = known if at is None or known is None else known[at]
         result = host.sample(logits, [seqs[i].req_id for i in plain], plain_known, at) if plain else RunnerOutput({})
-        # The drafter learns from the rows' top-k. A large batch without drafts (where drafting
-        # does not pay) feeds it OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over
-        # the vocabulary for every row would cost more than it could teach.
-        topk = None
-        if self.drafter.observe_topk:
-            if len(plain) == len(seqs) and len(seqs) > OBSERVE_PLAIN_BATCH:
-                # rows a .. a + OBSERVE_PLAIN_BATCH, wrapping: at most two views of `logits` (a
-                # gather of rows by index copies them, 3-10x the top-k's own time)
-                n, a = len(seqs), (self._turn + OBSERVE_PLAIN_BATCH) % len(seqs)
-                self._turn = a
-                head = min(OBSERVE_PLAIN_BATCH, n - a)
-                observed = list(range(a, a + head)) + list(range(OBSERVE_PLAIN_BATCH - head))
-                rows = topk_indices(logits[a:a + head], self.drafter.observe_topk).tolist()
-                if head < OBSERVE_PLAIN_BATCH:
-                    rows += topk_indices(logits[:OBSERVE_PLAIN_BATCH - head], self.drafter.observe_topk).tolist()
-                topk = [None] * len(seqs)    # all plain: row i is sequence i's only row
-                for i, r in zip(observed, rows):
-                    topk[i] = r
-            else:
-                topk = topk_indices(logits, self.drafter.observe_topk).tolist()
+        topk = self._observed(seqs, len(plain) == len(seqs), logits, len(out.seqs))
+        if len(plain) < len(seqs) or topk is not None:
+            self._verify_and_learn(host, out, meta, seqs, starts, logits, known, topk, result)
+        result.drafts.update(self._propose(host, seqs, len(out.seqs), out.num_waiting))
+        return result
+
+    def _observed(self, seqs: list[ScheduledSeq], all_plain: bool, logits: torch.Tensor,
+                  batch: int) -> list[list[int] | None] | None:
+        """The top-k rows the drafter learns from this step (None: none; an entry None: that row
+        is not observed). A large batch without drafts (where drafting does not pay) feeds it
+        OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over the vocabulary for every
+        row would cost more than it could teach. While the controller skips its plans at this
+        batch size (the last ones drafted nothing) it feeds nothing: what it would learn serves
+        drafts the controller has just found not to pay, and the top-k was most of an idle
+        step's cost (Gemma 3's 262k-wide rows)."""
+        if not self.drafter.observe_topk or (all_plain and self.controller.idle(batch)):
+            return None
+        if not (all_plain and len(seqs) > OBSERVE_PLAIN_BATCH):
+            return topk_indices(logits, self.drafter.observe_topk).tolist()
+        # rows a .. a + OBSERVE_PLAIN_BATCH, wrapping: at most two views of `logits` (a gather
+        # of rows by index copies them, 3-10x the top-k's own time)
+        n, a = len(seqs), (self._turn + OBSERVE_PLAIN_BATCH) % len(seqs)
+        self._turn = a
+        head = min(OBSERVE_PLAIN_BATCH, n - a)
+        observed = list(range(a, a + head)) + list(range(OBSERVE_PLAIN_BATCH - head))
+        rows = topk_indices(logits[a:a + head], self.drafter.observe_topk).tolist()
+        if head < OBSERVE_PLAIN_BATCH:
+            rows += topk_indices(logits[:OBSERVE_PLAIN_BATCH - head], self.drafter.observe_topk).tolist()
+        topk: list[list[int] | None] = [None] * len(seqs)    # all plain: row i is sequence i's only row
+        for i, r in zip(observed, rows):
+            topk[i] = r
+        return topk
+
+    def _verify_and_learn(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq],
+                          starts: list[int], logits: torch.Tensor, known: torch.Tensor | None,
+                          topk: list[list[int] | None] | None, result: RunnerOutput) -> None:
+        """Verifies each drafted sequence's tree into `result` (its tokens, or a dead end),
+        compacts the accepted nodes' KV, and feeds the observed rows to the drafter."""
         index = {s.req_id: i for i, s in enumerate(out.seqs)}
         t_verify, n_verify = time.perf_counter(), 0
         for i, s in enumerate(seqs):
@@ -170,8 +188,6 @@ class SpecDecoder:
                     topk[starts[i]:starts[i + 1]], accepted))
         if n_verify:
             self._overhead("verify", (time.perf_counter() - t_verify) / n_verify)
-        result.drafts.update(self._propose(host, seqs, len(out.seqs), out.num_waiting))
-        return result
 
     def _overhead(self, part: str, seconds: float) -> None:
         """Per drafting sequence: seconds outside the forward pass (verify + learn, propose)."""
