@@ -545,6 +545,55 @@ def test_spec_bench_keeps_each_engines_fastest_run_and_adds_up_its_drafts() -> N
     assert best["num_drafts"] == 7 and best["num_accepted_tokens"] == 14
 
 
+def test_spec_bench_runs_the_engines_in_turns_each_timed_by_its_own_steps(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from loom.bench import spec_bench
+
+    clock, trace = [0.0], []
+    monkeypatch.setattr(spec_bench.time, "perf_counter", lambda: clock[0])
+
+    class Fake:
+        """One token per request and step; a step costs `prefill` with a new prompt, else `decode`."""
+
+        def __init__(self, name: str, decode: float, prefill: float = 1.0):
+            self.name, self.decode, self.prefill, self.left, self.fresh = name, decode, prefill, {}, set()
+
+        def add_request(self, prompt, params):
+            rid = f"{self.name}{len(self.left)}-{clock[0]}"
+            self.left[rid], self.max = params.max_tokens, params.max_tokens
+            self.fresh.add(rid)
+            return rid
+
+        def has_unfinished_requests(self) -> bool:
+            return any(self.left.values())
+
+        def step(self):
+            trace.append(self.name)
+            clock[0] += self.prefill if self.fresh else self.decode
+            self.fresh.clear()
+            outs = []
+            for rid, n in self.left.items():
+                if n:
+                    self.left[rid] = n - 1
+                    done = self.max - n + 1
+                    outs.append(SimpleNamespace(request_id=rid, finished=n == 1,
+                                                outputs=[SimpleNamespace(token_ids=list(range(done)))]))
+            return outs
+
+    slow, fast = Fake("s", decode=0.010), Fake("f", decode=0.005)
+    runs = {"s": spec_bench._Run(slow, [[1], [2]], 4, concurrent=False),
+            "f": spec_bench._Run(fast, [[1], [2]], 4, concurrent=True)}
+    res = spec_bench._loom_runs(runs)
+    # turns of one step each, the first of a turn rotating, until the shorter run (one group) ends
+    assert trace[:4] == ["s", "f", "f", "s"] and trace.count("s") == 8 and trace.count("f") == 4
+    # each engine's time is its own steps only: 2 prompts x (1 prefill + 3 decode steps); decode
+    # speed counts the tokens after each group's first over the steps after that first one
+    assert res["s"]["seconds"] == pytest.approx(2 * (1.0 + 3 * 0.010)) and res["s"]["tokens"] == 8
+    assert res["s"]["decode_tok_s"] == pytest.approx(6 / (6 * 0.010))
+    assert res["f"]["decode_tok_s"] == pytest.approx(6 / (3 * 0.005)) and res["f"]["steps"] == 4
+
+
 def test_spec_bench_speedups_are_the_median_of_the_paired_ratios() -> None:
     from loom.bench.spec_bench import _speedups
 

@@ -8,8 +8,9 @@ greedy decoding:
 
 for loom without speculation, loom with each method, and (single stream, where
 llama-cpp-python is installed) llama.cpp without and with its prompt-lookup drafter
-(`LlamaPromptLookupDecoding`). Engines run one after another in this process and share
-one copy of the weights; each loom engine runs `repeats` times, interleaved with the others.
+(`LlamaPromptLookupDecoding`). The loom engines share one copy of the weights in this
+process and run in turns of one step each, each timed by its own steps (`_loom_runs`), so
+that their ratios do not depend on when the host was fast; each runs `repeats` times.
 Reported: accepted draft tokens per verification step, tokens per step, each engine's fastest
 run, and speedups over plain loom (the median of the repetitions' paired ratios) and over
 llama.cpp's prompt lookup.
@@ -40,7 +41,7 @@ class SpecBenchSettings:
     prompt_tokens: int = 768
     methods: tuple[str, ...] = METHODS
     dtype: str = "auto"
-    repeats: int = 2                 # runs of every engine, interleaved; speedups: the median paired ratio
+    repeats: int = 2                 # runs of every engine, in turns of one step; speedups: the median paired ratio
     datastore: str | None = None     # corpus of methods retrieval and auto
     llamacpp: bool = True            # also time llama.cpp with and without its prompt lookup (if installed)
 
@@ -68,41 +69,77 @@ def _prompts(path: Path, tok, s: SpecBenchSettings) -> dict[str, list[list[int]]
     return {c: p for c, p in by_cat.items() if p}
 
 
-def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> dict[str, float]:
-    """Output tokens, seconds and engine steps of the prompts, alone one by one or all at once.
+class _Run:
+    """One engine's prompts, alone one by one or all at once, advanced a step at a time.
 
-    `tok_s` is end to end (prompt prefill included); `decode_tok_s` counts the tokens after
-    each group's first ones over the time from the step where every request of the group had
-    its first token to the end: the part of generation speculation can speed up (llama.cpp's
+    Its time is the sum of its own steps, so several runs can share the machine in turns
+    (`_loom_runs`). `tok_s` is end to end (prompt prefill included); `decode_tok_s` counts the
+    tokens after each group's first ones over the steps after the one where every request of
+    the group had its first token: the part of generation speculation can speed up (llama.cpp's
     runs time the first token in a separate one-token call and subtract it)."""
-    from loom.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    groups = [prompts] if concurrent else [[p] for p in prompts]
-    tokens = steps = decode_tokens = 0
-    seconds = decode_seconds = 0.0
-    for group in groups:
-        ids = [engine.add_request({"prompt_token_ids": p}, params) for p in group]
-        started: set[str] = set()
+    def __init__(self, engine, prompts: list[list[int]], max_tokens: int, concurrent: bool):
+        from loom.sampling_params import SamplingParams
+
+        self.engine = engine
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.groups = [prompts] if concurrent else [[p] for p in prompts]
+        self.tokens = self.steps = self.decode_tokens = 0
+        self.seconds = self.decode_seconds = 0.0
+        self._group: list[str] = []          # request ids of the group running now
+        self._started: set[str] = set()
+        self._decoding = False               # every request of the group has its first token
+        self._group_tokens = 0
+
+    def step(self) -> bool:
+        """One engine step (starting the next group when none runs); False once all are done."""
+        if not self._group:
+            if not self.groups:
+                return False
+            group = self.groups.pop(0)
+            self._group = [self.engine.add_request({"prompt_token_ids": p}, self.params) for p in group]
+            self._started, self._decoding, self._group_tokens = set(), False, 0
         t0 = time.perf_counter()
-        t_decode = None
-        group_tokens = 0
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.outputs and o.outputs[0].token_ids:
-                    started.add(o.request_id)
-                if o.finished:
-                    group_tokens += len(o.outputs[0].token_ids)
-            steps += 1
-            if t_decode is None and len(started) == len(ids):
-                t_decode = time.perf_counter()
-        end = time.perf_counter()
-        tokens += group_tokens
-        seconds += end - t0
-        if t_decode is not None:
-            decode_tokens += group_tokens - len(ids)
-            decode_seconds += end - t_decode
-    return _speeds(tokens, seconds, decode_tokens, decode_seconds) | {"steps": steps}
+        outs = self.engine.step()
+        took = time.perf_counter() - t0
+        for o in outs:
+            if o.outputs and o.outputs[0].token_ids:
+                self._started.add(o.request_id)
+            if o.finished:
+                self._group_tokens += len(o.outputs[0].token_ids)
+        self.steps += 1
+        self.seconds += took
+        if self._decoding:
+            self.decode_seconds += took
+        elif len(self._started) == len(self._group):
+            self._decoding = True
+        if not self.engine.has_unfinished_requests():
+            self.tokens += self._group_tokens
+            if self._decoding:
+                self.decode_tokens += self._group_tokens - len(self._group)
+            self._group = []
+        return True
+
+    def result(self) -> dict[str, float]:
+        return _speeds(self.tokens, self.seconds, self.decode_tokens, self.decode_seconds) | {"steps": self.steps}
+
+
+def _loom_runs(runs: dict[str, _Run]) -> dict[str, dict[str, float]]:
+    """Runs every engine's prompts in turns of one step each (the first of a turn rotating), so
+    that a drift of the host's speed reaches every engine alike: each is timed by its own steps,
+    which lie milliseconds apart from the others'. Results by the runs' labels."""
+    live = list(runs)
+    turn = 0
+    while live:
+        k = turn % len(live)
+        live = [label for label in live[k:] + live[:k] if runs[label].step()]
+        turn += 1
+    return {label: run.result() for label, run in runs.items()}
+
+
+def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> dict[str, float]:
+    """One engine's prompts on their own (see `_Run`)."""
+    return _loom_runs({"run": _Run(engine, prompts, max_tokens, concurrent)})["run"]
 
 
 def _spec_config(method: str, settings: SpecBenchSettings) -> dict:
@@ -181,27 +218,30 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
         batch = [prompts[i % len(prompts)] for i in range(CONCURRENCY)]
         row: dict[str, Any] = {"prompts": len(prompts)}
         paired = {m: {"single": [], "concurrent": []} for m in settings.methods}   # per repetition
-        # Repetitions interleave the engines: each runs its single-stream prompts (plain, each
-        # method, then the reverse order, ...), then each its concurrent batch in the same order,
-        # so that one mode's runs of all engines lie seconds apart. Every run is on a fresh engine
-        # (no prefix cache or learned drafter state carried over: a drafter that remembers
-        # finished requests would copy the single-stream answers into the concurrent run). The
-        # host's speed drifts by 10-20% over tens of seconds, so the speedups are the median of
-        # each repetition's paired ratio; the fastest run of each engine is kept for its speeds.
-        # The order alternates so that neither engine always runs first: a run that follows the
-        # engines' construction was seen 20% faster than the runs after it.
+        # Repetitions interleave the engines: per mode (single stream, then the concurrent batch)
+        # every engine runs its prompts in turns of one step each (`_loom_runs`), each timed by
+        # its own steps, so that a drift of the host's speed (10-20% over tens of seconds here)
+        # reaches all of them alike. Every run is on a fresh engine (no prefix cache or learned
+        # drafter state carried over: a drafter that remembers finished requests would copy the
+        # single-stream answers into the concurrent run). The speedups are the median of each
+        # repetition's paired ratio; the fastest run of each engine is kept for its speeds. The
+        # order of the turns alternates between repetitions, so no engine always steps first.
         for rep in range(settings.repeats):
             labels = ("loom",) + settings.methods
             order = labels if rep % 2 == 0 else labels[::-1]
             entries: dict[str, dict[str, Any]] = {label: {} for label in labels}
             for mode, group in (("single", prompts), ("concurrent", batch)):
-                for label in order:
-                    spec = None if label == "loom" else _spec_config(label, settings)
-                    eng = engine(spec)
-                    entries[label][mode] = _loom_run(eng, group, settings.max_tokens, mode == "concurrent")
+                engines = {label: engine(None if label == "loom" else _spec_config(label, settings))
+                           for label in order}
+                runs = {label: _Run(eng, group, settings.max_tokens, mode == "concurrent")
+                        for label, eng in engines.items()}
+                for label, res in _loom_runs(runs).items():
+                    entries[label][mode] = res
+                for label, eng in engines.items():
                     if label != "loom" and mode == "single":
                         st = eng.spec.stats
                         entries[label] |= {"num_drafts": st.num_drafts, "num_accepted_tokens": st.num_accepted_tokens}
+                del engines, runs
             for label in labels:
                 row[label] = _fastest(row.get(label), entries[label])
             for method in settings.methods:
@@ -275,7 +315,7 @@ def spec_lines(report: dict[str, Any]) -> list[str]:
              f"tokens, dtype {s['dtype']}. Speedups are of decode speed (output tokens after the first, over the "
              f"time after the first; speculation cannot change the prompt's prefill) with speculation over "
              f"without, the median over the {s['repeats']} repetitions of each one's paired ratio (engines run "
-             f"seconds apart; decode tok/s: the fastest run); e2e = whole requests, prefill included (fastest "
+             f"in turns of one step, each timed by its own steps; decode tok/s: the fastest run); e2e = whole requests, prefill included (fastest "
              f"runs); vs llama.cpp = decode speed over llama.cpp with "
              f"`LlamaPromptLookupDecoding` (single stream); tokens / step: single stream, prefill steps included; "
              f"accepted / draft: single stream.", ""]
