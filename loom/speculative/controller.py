@@ -225,9 +225,9 @@ class SpecController:
         if not self.adaptive:
             return list(caps)
         sizes = [0] * len(req_ids)
-        if self._idle_plans.get(batch, 0) > 0:    # drafting did not pay at this batch just now
-            self._idle_plans[batch] -= 1
-            return self._probe(req_ids, sizes, caps, batch, context)
+        if self.idle(batch):    # drafting did not pay at this batch just now
+            due = set(self.idle_step(batch, req_ids, context))
+            return [1 if rid in due and cap else 0 for rid, cap in zip(req_ids, caps)]
         heap = []
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
@@ -273,11 +273,31 @@ class SpecController:
         """A sequence idle for `probe_every` steps drafts one node (a probe)."""
         every = self.probe_every(batch, context)
         for i, rid in enumerate(req_ids):
-            r = self.rates.setdefault(rid, _Rate())
+            r = self._rate(rid)
             r.idle = 0 if sizes[i] else r.idle + 1
             if r.idle >= every and caps[i]:
                 sizes[i], r.idle = 1, 0
         return sizes
+
+    def idle_step(self, batch: int, req_ids: list[str], context: int = 0) -> list[str]:
+        """A step of a batch whose plan skips its search (`idle`): counts it against the skip and
+        in every sequence's idle steps; returns the sequences due a one-node probe."""
+        self._idle_plans[batch] -= 1
+        every = self.probe_every(batch, context)
+        due = []
+        for rid in req_ids:
+            r = self._rate(rid)
+            r.idle += 1
+            if r.idle >= every:
+                r.idle = 0
+                due.append(rid)
+        return due
+
+    def _rate(self, req_id: str) -> _Rate:
+        r = self.rates.get(req_id)
+        if r is None:
+            r = self.rates[req_id] = _Rate()
+        return r
 
     def probe_every(self, batch: int, context: int = 0) -> float:
         """Idle steps between a sequence's probes: PROBE_EVERY x batch, so that probes cost about

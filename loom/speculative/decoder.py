@@ -229,21 +229,21 @@ class SpecDecoder:
         self.controller.record(req_id, accepted, max(tree.depths))
 
     def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int = 0) -> dict[str, DraftTree]:
-        cands, caps, lefts = [], [], []
-        for s in seqs:
-            st = host.request(s.req_id)
-            left = (st.params.max_tokens or 1 << 30) - len(st.output_token_ids) - 1
-            if eligible(st.params, len(st.output_token_ids)) and left > 0:
-                cands.append(s.req_id)
-                caps.append(min(self.config.num_speculative_tokens, left))
-                lefts.append(left)
-        if not waiting and len(cands) > 1:
-            cands, caps = behind(cands, caps, lefts)
-        if not cands:
-            return {}
         context = sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
-        sizes = self.controller.plan(cands, batch, caps, self.drafter.cost_per_token(),
-                                     sum(self.overheads.values()), context)
+        if self.controller.idle(batch):
+            # the controller skips its search at this batch size: only the probes due may draft,
+            # one node each (this path is most steps of a batch where drafting does not pay)
+            due = set(self.controller.idle_step(batch, [s.req_id for s in seqs], context))
+            cands, caps, _ = self._candidates(host, [s for s in seqs if s.req_id in due]) if due else ([], [], [])
+            sizes = [min(1, c) for c in caps]
+        else:
+            cands, caps, lefts = self._candidates(host, seqs)
+            if not waiting and len(cands) > 1:
+                cands, caps = behind(cands, caps, lefts)
+            if not cands:
+                return {}
+            sizes = self.controller.plan(cands, batch, caps, self.drafter.cost_per_token(),
+                                         sum(self.overheads.values()), context)
         reqs = []
         for rid, k in zip(cands, sizes):
             if k:
@@ -255,3 +255,15 @@ class SpecDecoder:
         trees = self.drafter.propose(reqs)
         self._overhead("propose", (time.perf_counter() - t0) / len(reqs))
         return {r.req_id: t.cut(r.budget) for r, t in zip(reqs, trees) if t is not None and len(t)}
+
+    def _candidates(self, host: SpecHost, seqs: list[ScheduledSeq]) -> tuple[list[str], list[int], list[int]]:
+        """The sequences that may draft, their node caps, and the tokens each may still generate."""
+        cands, caps, lefts = [], [], []
+        for s in seqs:
+            st = host.request(s.req_id)
+            left = (st.params.max_tokens or 1 << 30) - len(st.output_token_ids) - 1
+            if eligible(st.params, len(st.output_token_ids)) and left > 0:
+                cands.append(s.req_id)
+                caps.append(min(self.config.num_speculative_tokens, left))
+                lefts.append(left)
+        return cands, caps, lefts
