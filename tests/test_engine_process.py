@@ -55,9 +55,57 @@ def test_step_outputs_round_trip() -> None:
         0, "ab", [3, 4], cumulative_logprob=-1.5, logprobs=[{3: Logprob(-0.5, 1, "a")}, {4: Logprob(-1.0, 2, "b")}],
         finish_reason="stop", stop_reason="\n", delta_text="b", delta_token_ids=[4])], True,
         RequestMetrics(arrival_time=1.0, first_token_time=2.0), num_cached_tokens=1)
-    msg = wire.StepOutputs([out], [wire.RequestError("r-2", "QueueFullError", "full")], SAMPLE)
+    msg = wire.StepOutputs([wire.DeltaEncoder().encode(out)], [wire.RequestError("r-2", "QueueFullError", "full")],
+                           SAMPLE)
     back = wire.output_decoder().decode(wire.output_encoder().encode(msg))
     assert back == msg
+    assert wire.DeltaDecoder().decode(back.outputs[0]) == out
+
+
+def _outputs() -> list[RequestOutput]:
+    """A stream's outputs as the engine makes them: cumulative fields, two requests interleaved,
+    one with two choices, logprobs and prompt logprobs that grow, a text the engine cut short."""
+    def lp(t: int) -> dict[int, Logprob]:
+        return {t: Logprob(-0.1 * t, 1, f"t{t}")}
+
+    def choice(i: int, text: str, ids: list[int], new: int, dtext: str, lps: bool, fin: str | None = None):
+        return CompletionOutput(i, text, ids, -1.0 * len(ids) if lps else None, [lp(t) for t in ids] if lps else None,
+                                fin, None, dtext, ids[len(ids) - new:] if new else [])
+
+    def req(rid: str, choices, finished: bool, plp=None) -> RequestOutput:
+        return RequestOutput(rid, f"prompt {rid}", [9, 8, 7], choices, finished, RequestMetrics(1.0), 2, plp)
+
+    half = [None, {8: Logprob(-0.2, 1, "8")}]              # prompt logprobs as the prompt's chunks run
+    whole = half + [{7: Logprob(-0.3, 2, "7")}]
+    return [
+        req("a", [choice(0, "x", [1], 1, "x", True)], False, half),
+        req("b", [choice(1, "p", [5], 1, "p", False)], False),
+        req("a", [choice(0, "xy", [1, 2], 1, "y", True)], False, whole),
+        req("b", [choice(0, "q", [6], 1, "q", False)], False),
+        req("b", [choice(1, "pr", [5, 6], 1, "r", False)], False),
+        req("a", [choice(0, "xyz", [1, 2, 3, 4], 2, "z", True)], False, whole),      # two tokens in one step
+        req("a", [choice(0, "xy", [1, 2, 3], 0, "", True, "stop")], True, whole),     # the engine cut its text
+        req("b", [choice(0, "qs", [6, 7], 1, "s", False, "length")], True),
+    ]
+
+
+def test_outputs_travel_as_deltas_and_are_rebuilt_exactly() -> None:
+    enc, dec = wire.DeltaEncoder(), wire.DeltaDecoder()
+    coder, decoder = wire.output_encoder(), wire.output_decoder()
+    outs = _outputs()
+    for out in outs:
+        delta = enc.encode(out)
+        first = out is outs[0] or out is outs[1]
+        assert (delta.head is not None) == first                      # the prompt goes with the first output only
+        assert all(c.token_ids is None or c.tokens_at < len(out.outputs[0].token_ids) for c in delta.choices)
+        got = dec.decode(decoder.decode(coder.encode(wire.StepOutputs([delta], [], SAMPLE))).outputs[0])
+        assert got == out
+    assert not enc._sent and not dec._seen                          # both forget a finished request
+    # a step's message no longer grows with the prompt or the output so far
+    long = RequestOutput("c", "x" * 4000, list(range(1000)), [CompletionOutput(0, "y" * 4000, list(range(1000)),
+                         delta_text="y", delta_token_ids=[999])], False)
+    enc.encode(long)
+    assert len(coder.encode(enc.encode(long))) < 200
 
 
 def test_add_request_round_trip() -> None:

@@ -161,6 +161,7 @@ class ProcessEngineClient:
         self._output.bind(self._output_addr)
         self._encoder = wire.input_encoder()
         self._decoder = wire.output_decoder()
+        self._deltas = wire.DeltaDecoder()
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -260,6 +261,7 @@ class ProcessEngineClient:
                     yield out
         finally:
             self._queues.pop(rid, None)
+            self._deltas.forget(rid)
 
     def abort(self, request_id: str) -> None:
         if self.error is None and not self._stopping:
@@ -293,10 +295,10 @@ class ProcessEngineClient:
                 return
             msg = self._decoder.decode(frame.buffer)
             if isinstance(msg, wire.StepOutputs):
-                for out in msg.outputs:
-                    queue = queues.get(out.request_id)
+                for delta in msg.outputs:
+                    queue = queues.get(delta.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
+                        queue.put_nowait(self._deltas.decode(delta))
                 for err in msg.errors:
                     queue = queues.get(err.request_id)
                     if queue is not None:

@@ -5,7 +5,7 @@ the engine, says `Ready` (or `Failed`), then loops:
 
     inputs  = every message waiting (blocking only while idle)   # add / abort / shutdown
     outputs = engine.step()                                      # schedule, execute, update
-    send one StepOutputs: the step's outputs, admission errors, the engine's counters
+    send one StepOutputs: the step's outputs (as deltas), admission errors, the engine's counters
 
 so the front end receives one message per step, whatever the batch size. The process
 ignores SIGINT (the front end owns the terminal and stops it with `Shutdown`), and dies with
@@ -47,6 +47,7 @@ class EngineCore:
         self.outputs = outputs
         self.decoder = wire.input_decoder()
         self.encoder = wire.output_encoder()
+        self.deltas = wire.DeltaEncoder()
         self.running = True
 
     def run(self) -> None:
@@ -64,7 +65,8 @@ class EngineCore:
                     self._send(wire.Dead(f"engine step failed: {e!r}"))
                     raise
             if pending_out or errors or not busy:
-                self._send(wire.StepOutputs(pending_out, errors, read_engine_sample(self.engine)))
+                self._send(wire.StepOutputs([self.deltas.encode(o) for o in pending_out], errors,
+                                            read_engine_sample(self.engine)))
 
     def _drain(self, pending_out: list, errors: list[wire.RequestError]) -> None:
         """Handles every input message waiting now, without blocking. The socket's event flags
