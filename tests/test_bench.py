@@ -586,7 +586,7 @@ def test_spec_bench_runs_the_engines_in_turns_each_timed_by_its_own_steps(monkey
             "f": spec_bench._Run(fast, [[1], [2]], 4, concurrent=True)}
     res = spec_bench._loom_runs(runs)
     # turns of one step each, the first of a turn rotating, until the shorter run (one group) ends
-    assert trace[:4] == ["s", "f", "f", "s"] and trace.count("s") == 8 and trace.count("f") == 4
+    assert trace[:8] == ["s", "f", "f", "s", "s", "f", "f", "s"] and trace.count("s") == 8 and trace.count("f") == 4
     # each engine's time is its own steps only: 2 prompts x (1 prefill + 3 decode steps); decode
     # speed counts the tokens after each group's first over the steps after that first one
     assert res["s"]["seconds"] == pytest.approx(2 * (1.0 + 3 * 0.010)) and res["s"]["tokens"] == 8

@@ -132,7 +132,8 @@ def _loom_runs(runs: dict[str, _Run]) -> dict[str, dict[str, float]]:
     turn = 0
     while live:
         k = turn % len(live)
-        live = [label for label in live[k:] + live[:k] if runs[label].step()]
+        done = {label for label in live[k:] + live[:k] if not runs[label].step()}
+        live = [label for label in live if label not in done]
         turn += 1
     return {label: run.result() for label, run in runs.items()}
 
