@@ -205,7 +205,7 @@ class SpecController:
     def record(self, req_id: str, accepted: int, max_depth: int) -> None:
         """A verified tree of depth `max_depth` gave `accepted` nodes."""
         tries = accepted + (1 if accepted < max_depth else 0)
-        for r in (self.rates.setdefault(req_id, _Rate()), self.total):
+        for r in (self._rate(req_id), self.total):
             r.hits = DECAY * r.hits + accepted
             r.tries = DECAY * r.tries + tries
 
