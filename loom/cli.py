@@ -133,8 +133,7 @@ def bench(
                                                  "prompt_lookup,token_recycling,lookahead,retrieval,auto)."),
     spec_repeats: int | None = typer.Option(None, "--spec-repeats", min=1,
                                             help="With --spec: runs of every engine, in turns of one step; "
-                                                 "speedups are the median of their paired ratios (default 2; "
-                                                 "quick: 1)."),
+                                                 "speedups: their median paired ratio (default 2; quick: 1)."),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH",
                                               help="With --spec: the corpus of methods retrieval and auto."),
     spec_llamacpp: bool = typer.Option(True, "--spec-llamacpp/--no-spec-llamacpp",

@@ -226,8 +226,8 @@ class SpecController:
             return list(caps)
         sizes = [0] * len(req_ids)
         if self.idle(batch):    # drafting did not pay at this batch just now
-            due = set(self.idle_step(batch, req_ids, context))
-            return [1 if rid in due and cap else 0 for rid, cap in zip(req_ids, caps)]
+            self._idle_plans[batch] -= 1
+            return self._probe(req_ids, sizes, caps, batch, context)
         heap = []
         for i, rid in enumerate(req_ids):
             self._push(heap, i, 0, self.rate(rid), caps[i])
@@ -283,15 +283,8 @@ class SpecController:
         """A step of a batch whose plan skips its search (`idle`): counts it against the skip and
         in every sequence's idle steps; returns the sequences due a one-node probe."""
         self._idle_plans[batch] -= 1
-        every = self.probe_every(batch, context)
-        due = []
-        for rid in req_ids:
-            r = self._rate(rid)
-            r.idle += 1
-            if r.idle >= every:
-                r.idle = 0
-                due.append(rid)
-        return due
+        n = len(req_ids)
+        return [rid for rid, k in zip(req_ids, self._probe(req_ids, [0] * n, [1] * n, batch, context)) if k]
 
     def _rate(self, req_id: str) -> _Rate:
         r = self.rates.get(req_id)

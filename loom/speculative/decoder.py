@@ -235,7 +235,7 @@ class SpecDecoder:
             # one node each (this path is most steps of a batch where drafting does not pay)
             due = set(self.controller.idle_step(batch, [s.req_id for s in seqs], context))
             cands, caps, _ = self._candidates(host, [s for s in seqs if s.req_id in due]) if due else ([], [], [])
-            sizes = [min(1, c) for c in caps]
+            sizes = [1] * len(cands)
         else:
             cands, caps, lefts = self._candidates(host, seqs)
             if not waiting and len(cands) > 1:
