@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from loom.bench.plots import pyplot
+from loom.bench.plots import pyplot, save_figure
 from loom.bench.settings import BenchError
 
 
@@ -151,7 +151,6 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     ITL, E2E p50/p99) against the offered rate; returns their paths."""
     plt = pyplot()
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     xs, labels = _x_positions(report)
     levels = report["levels"]
     title = f"{report['model']} at {report['server']}"
@@ -183,10 +182,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     for ax in axes:
         finish(ax)
     fig.suptitle(f"Throughput vs offered rate ({title})")
-    fig.tight_layout()
-    written.append(out_dir / "load_throughput.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(save_figure(fig, out_dir / "load_throughput.png"))
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, name in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"),
@@ -198,10 +194,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title(name)
         finish(ax)
     fig.suptitle(f"Latency vs offered rate ({title})")
-    fig.tight_layout()
-    written.append(out_dir / "load_latency.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(save_figure(fig, out_dir / "load_latency.png"))
     return written
 
 

@@ -55,7 +55,6 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write throughput.png, latency.png and single_stream.png into `out_dir`; return their paths."""
     plt = pyplot()
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     title = f"{Path(report['model']['path']).name}, {report['threads']} threads"
     levels = report["settings"]["concurrency"]
     colors = {label: f"C{i}" for i, label in enumerate(report["engines"])}
@@ -71,10 +70,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_title(f"Aggregate output throughput ({title})")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    written.append(out_dir / "throughput.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(save_figure(fig, out_dir / "throughput.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, name in ((axes[0], "ttft_ms", "time to first token"),
@@ -92,10 +88,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="small")
     fig.suptitle(f"Latency percentiles ({title})")
-    fig.tight_layout()
-    written.append(out_dir / "latency.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(save_figure(fig, out_dir / "latency.png"))
 
     ok = {label: e for label, e in report["engines"].items() if e.get("status") == "ok"}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -107,8 +100,5 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title(name)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"Single stream ({title})")
-    fig.tight_layout()
-    written.append(out_dir / "single_stream.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(save_figure(fig, out_dir / "single_stream.png"))
     return written

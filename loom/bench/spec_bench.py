@@ -138,11 +138,6 @@ def _loom_runs(runs: dict[str, _Run]) -> dict[str, dict[str, float]]:
     return {label: run.result() for label, run in runs.items()}
 
 
-def _loom_run(engine, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> dict[str, float]:
-    """One engine's prompts on their own (see `_Run`)."""
-    return _loom_runs({"run": _Run(engine, prompts, max_tokens, concurrent)})["run"]
-
-
 def _spec_config(method: str, settings: SpecBenchSettings) -> dict:
     spec = {"method": method}
     if settings.datastore is not None and method in ("retrieval", "auto"):
