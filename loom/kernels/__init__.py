@@ -87,7 +87,9 @@ def requested_variant() -> str | None:
 
 
 def _cflags(variant: str) -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+    # hidden: a module's template instances bind to its own code, never to another loaded
+    # build's (benchmarks load a second checkout's kernels beside this tree's)
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fvisibility=hidden"]
     if variant == "avx2":
         flags.append("-mno-avx512f")   # exactly an AVX2 machine's code, even on an AVX-512 one
     return flags

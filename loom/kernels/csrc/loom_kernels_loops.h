@@ -400,6 +400,7 @@ struct AttnItem {   // one (row group, part, kv head) and the buffers of its ste
   const int64_t* shared_slots;           // the group's slots from key lo
   std::vector<int64_t> first;            // per row: its first visible key
   std::vector<const float*> q;           // per query i = (row, head)
+  std::vector<int64_t> ctx;              // per query: its row's context length
   std::vector<float*> ml;                // per query: its partial result of this part (m, l, o)
   std::vector<float*> out;               // per query: o
   std::vector<float> mem;                // holds, from 64-byte boundaries (whole cache lines per vector):
@@ -418,6 +419,7 @@ void plan_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnIt
   it.P = a.shared[grp];
   it.first.resize(it.nr);
   it.q.resize(it.m);
+  it.ctx.resize(it.m);
   it.ml.resize(it.m);
   it.out.resize(it.m);
   const int64_t k0 = p * SPLIT;
@@ -429,6 +431,7 @@ void plan_item(const PagedAttn<C>& a, int64_t grp, int64_t p, int64_t kh, AttnIt
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = r * G + g, h = kh * G + g;
       it.q[i] = a.q + (it.r0 + r) * a.ldq + h * D;
+      it.ctx[i] = a.ctx[it.r0 + r];
       it.ml[i] = a.partial(it.r0 + r, h, p);
       it.out[i] = it.ml[i] + PART_O;
     }
@@ -457,12 +460,106 @@ inline int64_t head_dim(const PagedAttn<C>& a) {
   else return a.D;
 }
 
-// keys or values of the shared keys [l0, l0 + mm) (from it.lo) of kv head kh, as float rows of D
+// whether any of the queries i0 .. i0 + n - 1 has keys at or past key t
+inline bool reaches(const AttnItem& it, int64_t i0, int64_t n, int64_t t) {
+  for (int64_t i = i0; i < i0 + n; ++i)
+    if (it.ctx[i] > t) return true;
+  return false;
+}
+
+// the rows of the mm keys (or values) at slots[0 .. mm) of kv head it.kh of a cache: a plain
+// format's rows in place, a quantized format's converted into it.kv
 template <class V, int NV, class C>
-inline void shared_to_float(const PagedAttn<C>& a, const AttnItem& it, const uint8_t* cache, int64_t l0, int64_t mm,
-                            float* buf) {
+inline void cache_rows(const PagedAttn<C>& a, AttnItem& it, const uint8_t* cache, const int64_t* slots, int64_t mm,
+                       const typename C::Elem** rows) {
   const int64_t D = head_dim<V, NV>(a);
-  for (int64_t r = 0; r < mm; ++r) C::template load<V>(a.row(cache, it.shared_slots[l0 + r], it.kh), D, buf + r * D);
+  for (int64_t r = 0; r < mm; ++r) {
+    const uint8_t* src = a.row(cache, slots[r], it.kh);
+    if constexpr (C::kInPlace) {
+      rows[r] = (const typename C::Elem*)src;
+    } else {
+      C::template load<V>(src, D, it.kv + r * D);
+      rows[r] = it.kv + r * D;
+    }
+  }
+}
+
+constexpr int QK_QT = 4;   // queries per score tile
+
+// Score tiles: QT queries (a decode row's query heads share its keys) x KT keys, one
+// accumulator each, QT KT <= W: a key vector is loaded (and converted from float16) once for
+// the QT queries, a query vector once for the KT keys. Each score is one FMA chain over the
+// head's vectors in order, its lanes summed by V::reduce's fixed tree, then scaled: the same
+// bits for every tile shape, so a key's score does not depend on which queries share its tile.
+template <class V, int QT>
+constexpr int qk_keys() {
+  int kt = V::W;
+  while (kt > 1 && QT * kt > V::W) kt /= 2;
+  return kt;
+}
+
+// s[t * stride + r] = scale <q[t], rows[r]> for t < QT, r < kt (kt <= KT keys)
+template <class V, int NV, int QT, int KT, bool FULL, typename T>
+LOOM_INLINE void qk_tile(const float* const* q, const T* const* rows, int64_t Drt, int64_t kt, float* s,
+                         int64_t stride, typename V::F sv) {
+  const int64_t nv = (NV > 0 ? V::W * NV : Drt) / V::W;
+  typename V::F acc[V::W];
+  for (int i = 0; i < V::W; ++i) acc[i] = V::zero();
+  for (int64_t j = 0; j < nv; ++j) {
+    typename V::F qv[QT];
+    for (int t = 0; t < QT; ++t) qv[t] = V::load(q[t] + V::W * j);
+    for (int r = 0; r < KT; ++r) {
+      if (!FULL && r >= kt) break;
+      const typename V::F k = V::load(rows[r] + V::W * j);
+      for (int t = 0; t < QT; ++t) acc[t * KT + r] = V::fma(qv[t], k, acc[t * KT + r]);
+    }
+  }
+  if constexpr (QT == 1) {
+    V::store_n(s, V::mul(V::reduce(acc), sv), FULL ? KT : kt);
+    return;
+  }
+  alignas(64) float sum[V::W];
+  V::store(sum, V::mul(V::reduce(acc), sv));
+  for (int t = 0; t < QT; ++t)
+    for (int r = 0; r < (FULL ? KT : kt); ++r) s[t * stride + r] = sum[t * KT + r];
+}
+
+// scores of QT queries for the mm keys at rows, from s (query t's at s + t * stride)
+template <class V, int NV, int QT, typename T>
+LOOM_INLINE void qk_block(const float* const* q, const T* const* rows, int64_t D, int64_t mm, float* s,
+                          int64_t stride, typename V::F sv) {
+  constexpr int KT = qk_keys<V, QT>();
+  int64_t r0 = 0;
+  for (; r0 + KT <= mm; r0 += KT) qk_tile<V, NV, QT, KT, true>(q, rows + r0, D, KT, s + r0, stride, sv);
+  if (r0 < mm) qk_tile<V, NV, QT, KT, false>(q, rows + r0, D, mm - r0, s + r0, stride, sv);
+}
+
+// the blocks for n = 1 .. QK_QT queries
+template <class V, int NV, typename T, int QT = QK_QT>
+inline void qk_queries(int64_t n, const float* const* q, const T* const* rows, int64_t D, int64_t mm, float* s,
+                       int64_t stride, typename V::F sv) {
+  if constexpr (QT > 1)
+    if (n < QT) return qk_queries<V, NV, T, QT - 1>(n, q, rows, D, mm, s, stride, sv);
+  qk_block<V, NV, QT>(q, rows, D, mm, s, stride, sv);
+}
+
+// A decode batch's cache rows come from memory (32 rows of a few hundred keys are more than L3)
+// in 16-slot blocks scattered over the cache, which the hardware prefetchers do not follow: the
+// QK loop asks for the key rows PF_BYTES of rows ahead of the ones it converts (one block of
+// SmolLM2's 128-byte rows, 4 keys of Gemma 3's 512-byte ones), and for the value rows of its
+// block, which PV reads after the softmax. Into L2 (T2): T0 requests, which hold an L1 miss
+// buffer each, stalled the loop at 5 GB/s of rows on Zen 4; T2 doubled the rate of SmolLM2's
+// 32-row batch (benchmarks/attn_batch.py). Prefetches change no arithmetic.
+constexpr int64_t PF_BYTES = 2048;
+
+// prefetch the rows at slots[0 .. n) of kv head kh of a cache
+template <class C>
+LOOM_INLINE void prefetch_rows(const PagedAttn<C>& a, const uint8_t* cache, const int64_t* slots, int64_t n,
+                               int64_t kh) {
+  for (int64_t r = 0; r < n; ++r) {   // every line the row touches (quantized rows are not aligned)
+    const uintptr_t p = (uintptr_t)a.row(cache, slots[r], kh);
+    for (uintptr_t line = p & ~(uintptr_t)63; line < p + a.rb; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T2);
+  }
 }
 
 // W scores <q, k_r> for the keys in buf (rows of D floats); NV = D / W when fixed, else 0
@@ -489,41 +586,49 @@ LOOM_INLINE void scores_of(const float* qh, const float* buf, int64_t D, int64_t
   }
 }
 
-// A decode batch's cache rows come from memory (32 rows of a few hundred keys are more than L3)
-// in 16-slot blocks scattered over the cache, which the hardware prefetchers do not follow: the
-// QK loop asks for the key rows PF_BYTES of rows ahead of the ones it converts (one block of
-// SmolLM2's 128-byte rows, 4 keys of Gemma 3's 512-byte ones), and for the value rows of its
-// block, which PV reads after the softmax. Into L2 (T2): T0 requests, which hold an L1 miss
-// buffer each, stalled the loop at 5 GB/s of rows on Zen 4; T2 doubled the rate of SmolLM2's
-// 32-row batch (benchmarks/attn_batch.py). Prefetches change no arithmetic.
-constexpr int64_t PF_BYTES = 2048;
+// Where a head is only a few vectors (SmolLM2's 64 floats: 4 on AVX-512, 8 on AVX2), a tile's
+// lane sums cost more than its FMAs save (0.94-0.97x on SmolLM2's AVX2 batches, 2 threads):
+// there the keys are converted to float once and each query takes W keys at a time (the same
+// FMA chains and lane sums, so the same bits). Gemma 3's 256-float heads take the tiles:
+// 1.05-1.15x on its batches (benchmarks/attn_batch.py).
+constexpr int64_t QK_TILE_VECTORS = 16;
 
-// prefetch the rows at slots[0 .. n) of kv head kh of a cache
-template <class C>
-LOOM_INLINE void prefetch_rows(const PagedAttn<C>& a, const uint8_t* cache, const int64_t* slots, int64_t n,
-                               int64_t kh) {
-  for (int64_t r = 0; r < n; ++r) {   // every line the row touches (quantized rows are not aligned)
-    const uintptr_t p = (uintptr_t)a.row(cache, slots[r], kh);
-    for (uintptr_t line = p & ~(uintptr_t)63; line < p + a.rb; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T2);
+// scores of the queries i0 .. i0 + n - 1 for the mm keys at slots, query i0's from s, each
+// next query's it.n further; query tiles for which skip(i, q) holds are left out
+template <class V, int NV, class C, class Skip>
+LOOM_INLINE void block_scores(const PagedAttn<C>& a, AttnItem& it, const int64_t* slots, int64_t mm, int64_t i0,
+                              int64_t n, float* s, Skip skip) {
+  const int64_t D = head_dim<V, NV>(a);
+  const typename V::F sv = V::set1(a.scale);
+  if (D >= QK_TILE_VECTORS * V::W) {
+    const typename C::Elem* rows[KB];
+    cache_rows<V, NV>(a, it, a.kc, slots, mm, rows);
+    for (int64_t i = i0; i < i0 + n; i += QK_QT) {
+      const int64_t q = std::min<int64_t>(QK_QT, i0 + n - i);
+      if (!skip(i, q)) qk_queries<V, NV>(q, it.q.data() + i, rows, D, mm, s + (i - i0) * it.n, it.n, sv);
+    }
+    return;
   }
+  for (int64_t r = 0; r < mm; ++r) C::template load<V>(a.row(a.kc, slots[r], it.kh), D, it.kv + r * D);
+  const float* buf = it.kv;
+  for (int64_t i = i0; i < i0 + n; ++i)
+    if (!skip(i, 1))
+      scores_of<V, NV>(it.q[i], buf, D, mm, s + (i - i0) * it.n, sv);
 }
 
 // QK, shared keys of the part: every query, KB keys at a time
 template <class V, int NV, class C>
 void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
-  const typename V::F sv = V::set1(a.scale);
-  const int64_t D = head_dim<V, NV>(a), Ls = std::min(it.k1, it.P) - it.lo, G = a.H / a.Hkv;
+  const int64_t Ls = std::min(it.k1, it.P) - it.lo;
   const int64_t dk = std::max<int64_t>(1, PF_BYTES / a.rb);   // keys ahead
   prefetch_rows(a, a.kc, it.shared_slots, std::min(Ls, dk), it.kh);
   for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
     const int64_t mm = std::min<int64_t>(KB, Ls - l0), ahead = l0 + dk;
     if (ahead < Ls) prefetch_rows(a, a.kc, it.shared_slots + ahead, std::min<int64_t>(KB, Ls - ahead), it.kh);
     prefetch_rows(a, a.vc, it.shared_slots + l0, mm, it.kh);
-    shared_to_float<V, NV>(a, it, a.kc, l0, mm, it.kv);
-    for (int64_t i = 0; i < it.m; ++i) {
-      if (a.ctx[it.r0 + i / G] <= it.lo + l0) continue;   // keys past its row's context
-      scores_of<V, NV>(it.q[i], it.kv, D, mm, it.scores + i * it.n + l0, sv);
-    }
+    // queries whose rows' contexts all end before these keys are skipped
+    block_scores<V, NV>(a, it, it.shared_slots + l0, mm, 0, it.m, it.scores + l0,
+                        [&](int64_t i, int64_t q) { return !reaches(it, i, q, it.lo + l0); });
   }
 }
 
@@ -531,18 +636,12 @@ void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
 // product as the shared keys, so a key's score has the same bits whether it is shared or not
 template <class V, int NV, class C>
 void tail_scores(const PagedAttn<C>& a, AttnItem& it) {
-  const int64_t G = a.H / a.Hkv, D = head_dim<V, NV>(a);
-  const typename V::F sv = V::set1(a.scale);
+  const int64_t G = a.H / a.Hkv;
   for (int64_t r = 0; r < it.nr; ++r) {
     const int64_t row = it.r0 + r, L = std::min(a.ctx[row], it.k1);
-    for (int64_t t0 = std::max({it.P, it.first[r], it.lo}); t0 < L; t0 += KB) {
-      const int64_t mm = std::min<int64_t>(KB, L - t0);
-      for (int64_t j = 0; j < mm; ++j) C::template load<V>(a.row(a.kc, a.slots[row * a.lds + t0 + j], it.kh), D, it.kv + j * D);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = r * G + g;
-        scores_of<V, NV>(it.q[i], it.kv, D, mm, it.scores + i * it.n + t0 - it.lo, sv);
-      }
-    }
+    for (int64_t t0 = std::max({it.P, it.first[r], it.lo}); t0 < L; t0 += KB)
+      block_scores<V, NV>(a, it, a.slots + row * a.lds + t0, std::min<int64_t>(KB, L - t0), r * G, G,
+                          it.scores + r * G * it.n + t0 - it.lo, [](int64_t, int64_t) { return false; });
   }
 }
 
@@ -621,31 +720,6 @@ inline void pv_queries(int64_t q, float* const* out, const float* p, int64_t str
   pv_tiles<V, NV, QT>(out, p, stride, rows, mm);
 }
 
-// whether any of the queries i0 .. i0 + n - 1 has keys at or past key t
-template <class C>
-inline bool reaches(const PagedAttn<C>& a, const AttnItem& it, int64_t i0, int64_t n, int64_t t) {
-  const int64_t G = a.H / a.Hkv;
-  for (int64_t r = i0 / G; r <= (i0 + n - 1) / G; ++r)
-    if (a.ctx[it.r0 + r] > t) return true;
-  return false;
-}
-
-// the value rows of the mm keys at slots[0 .. mm) of kv head it.kh: a plain format's rows in
-// place, a quantized format's converted into it.kv
-template <class V, int NV, class C>
-inline void value_rows(const PagedAttn<C>& a, AttnItem& it, const int64_t* slots, int64_t mm,
-                       const typename C::Elem** rows) {
-  const int64_t D = head_dim<V, NV>(a);
-  for (int64_t r = 0; r < mm; ++r) {
-    const uint8_t* src = a.row(a.vc, slots[r], it.kh);
-    if constexpr (C::kInPlace) {
-      rows[r] = (const typename C::Elem*)src;
-    } else {
-      C::template load<V>(src, D, it.kv + r * D);
-      rows[r] = it.kv + r * D;
-    }
-  }
-}
 
 // PV of q queries from i0 over mm value rows, weights p (query i0's, then every stride): fixed
 // head sizes in value tiles, other sizes one query and vector at a time
@@ -672,10 +746,10 @@ void shared_values(const PagedAttn<C>& a, AttnItem& it) {
   const typename C::Elem* rows[KB];
   for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
     const int64_t mm = std::min<int64_t>(KB, Ls - l0);
-    value_rows<V, NV>(a, it, it.shared_slots + l0, mm, rows);
+    cache_rows<V, NV>(a, it, a.vc, it.shared_slots + l0, mm, rows);
     for (int64_t i0 = 0; i0 < it.m; i0 += PV_QT) {
       const int64_t q = std::min<int64_t>(PV_QT, it.m - i0);
-      if (reaches(a, it, i0, q, it.lo + l0))   // all-zero weights would add nothing
+      if (reaches(it, i0, q, it.lo + l0))   // all-zero weights would add nothing
         pv_block<V, NV>(it, i0, q, it.scores + i0 * stride + l0, stride, rows, mm, D);
     }
   }
@@ -690,7 +764,7 @@ void tail_values(const PagedAttn<C>& a, AttnItem& it) {
     const int64_t row = it.r0 + r, L = std::min(a.ctx[row], it.k1);
     for (int64_t t0 = std::max({it.P, it.first[r], it.lo}); t0 < L; t0 += KB) {
       const int64_t mm = std::min<int64_t>(KB, L - t0);
-      value_rows<V, NV>(a, it, a.slots + row * a.lds + t0, mm, rows);
+      cache_rows<V, NV>(a, it, a.vc, a.slots + row * a.lds + t0, mm, rows);
       for (int64_t g0 = 0; g0 < G; g0 += PV_QT) {
         const int64_t i0 = r * G + g0;
         pv_block<V, NV>(it, i0, std::min<int64_t>(PV_QT, G - g0), it.scores + i0 * it.n + t0 - it.lo, it.n, rows, mm, D);
