@@ -24,11 +24,12 @@ SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "
 ZERO = {4: 8, 8: 128}   # the zero-point forms (Q4_0, Q8_0) of each width, timed as a second row
 
 
-def packed(n: int, k: int, bits: int) -> torch.Tensor:
-    """Blocks of 16 output rows x 32 inputs: codes, then 2 x 16 float16 scales (a, b)."""
-    blocks, code = (n + 15) // 16 * (k // 32), 256 if bits == 4 else 512
-    w = torch.randint(0, 256, (blocks, code + 64), dtype=torch.uint8)
-    w[:, code:] = torch.full((blocks, 32), 0.01, dtype=torch.float16).view(torch.uint8)
+def packed(n: int, k: int, bits: int, zero: int) -> torch.Tensor:
+    """Blocks of 16 output rows x 32 inputs: codes, then 16 float16 scales a and, without a zero
+    point, 16 offsets b."""
+    blocks, code, scales = (n + 15) // 16 * (k // 32), 256 if bits == 4 else 512, 16 if zero else 32
+    w = torch.randint(0, 256, (blocks, code + 2 * scales), dtype=torch.uint8)
+    w[:, code:] = torch.full((blocks, scales), 0.01, dtype=torch.float16).view(torch.uint8)
     return w.reshape(-1).contiguous()
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     print("|---|" + "---:|" * len(rows))
     forms = [(name, shape, zero) for name, shape in SHAPES.items() for zero in (0, ZERO[shape[2]])]
     for name, (n, k, bits), zero in forms:
-        w, cells = packed(n, k, bits), []
+        w, cells = packed(n, k, bits, zero), []
         for m in rows:
             x, out = torch.randn(m, k), torch.empty(m, n)
             call = lambda: kern.qgemm(x, w, n, k, bits, True, 0, None, 0.0, out, False, zero)  # noqa: E731

@@ -115,12 +115,15 @@ def _reference(codes: QuantCodes, x: torch.Tensor) -> torch.Tensor:
     return _quantized_acts(x).double() @ codes.dequantize().double().T
 
 
-def _random_codes(n: int, k: int, bits: int, seed: int, fp16_scales: bool) -> QuantCodes:
+def _random_codes(n: int, k: int, bits: int, seed: int, fp16_scales: bool, zero: int = 0) -> QuantCodes:
+    """Random codes; zero > 0: offsets b = -zero a (a Q4_0 / Q8_0 matrix)."""
     g = torch.Generator().manual_seed(seed)
     a = torch.rand(n, k // 32, generator=g) * 0.05
     b = torch.randn(n, k // 32, generator=g) * 0.1
     if fp16_scales:
         a, b = a.half().float(), b.half().float()
+    if zero:
+        b = -zero * a
     return QuantCodes(torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=g), a, b, bits)
 
 
@@ -157,7 +160,9 @@ def test_qgemm_integer_zero_points(bits, zero):
         assert p.zero == zero
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 * m + k))
         y = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, zero)
-        affine = kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, 0)
+        pa = pack_codes(codes, zero=0)   # the same matrix in the affine layout, every offset stored
+        assert pa.zero == 0 and pa.w.numel() > p.w.numel()
+        affine = kern.qgemm(x, pa.w, pa.n, pa.k, pa.bits, pa.scales16, PRE_NONE, None, 0.0, None, False, 0)
         ref = _reference(codes, x)
         # the AVX2 variant keeps 8-bit codes on the affine path (kZeroPoints8): its usual tolerance
         exact = bits == 4 or kernels.variant() == "avx512"
@@ -251,13 +256,17 @@ def test_apply_bitmask_forbids_exactly_the_clear_bits(vocab):
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("fp16_scales", [True, False])
-def test_refine_top_computes_the_largest_logits_exactly(bits, fp16_scales):
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_refine_top_computes_the_largest_logits_exactly(bits, fp16_scales, zero_point):
     """The output layer's refinement: the `cap` largest logits of each row within `margin` of its
     maximum become the float32 product of the stored weights (to float32 rounding), every other
-    logit keeps the GEMM's value; a row's result does not depend on the batch."""
+    logit keeps the GEMM's value; a row's result does not depend on the batch. With a zero point
+    (Gemma 3's Q8_0 output matrix) the blocks hold no offsets, and the refinement takes them as -Z a."""
     n, k = 1003, 192                                   # a last block of 11 rows
-    codes = _random_codes(n, k, bits, seed=11, fp16_scales=fp16_scales)
+    zero = {4: 8, 8: 128}[bits] if zero_point else 0
+    codes = _random_codes(n, k, bits, seed=11, fp16_scales=fp16_scales, zero=zero)
     lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
+    assert lin.p.zero == zero
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, k, generator=g)
     x[3] *= 8.0                                        # a peaked row: few logits near the top

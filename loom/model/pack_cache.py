@@ -42,7 +42,7 @@ from loom.model.quant import PackedCodes
 
 log = logging.getLogger("loom")
 
-PACK_FORMAT = 2
+PACK_FORMAT = 3
 MAGIC = b"LOOMPACK"
 _PREFIX = struct.Struct("<8sIIQQ32s")          # 64 bytes
 _DATA_ALIGN, _ENTRY_ALIGN, _SAMPLE = 4096, 64, 256

@@ -132,7 +132,7 @@ class PackedCodes:
     """The kernel layout (see loom/kernels/csrc): one uint8 stream of blocks, each 16 output
     rows x one group: [codes][a x 16][b x 16], a/b float16 when that is exact, else float32.
     zero: Z where every group's offset is b = -Z a (an integer zero point, which the kernels
-    subtract in integer arithmetic), else 0."""
+    subtract in integer arithmetic; the blocks then hold no b: [codes][a x 16]), else 0."""
 
     w: torch.Tensor
     n: int
@@ -150,32 +150,38 @@ def zero_point(c: QuantCodes) -> int:
     return 0
 
 
-def pack_codes(c: QuantCodes, chunk_blocks: int = 512) -> PackedCodes:
+def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) -> PackedCodes:
     """The kernel layout of `c`, built `chunk_blocks` row blocks at a time into one output (a
-    262k-row matrix never has a second full-size copy in flight)."""
+    262k-row matrix never has a second full-size copy in flight). zero: the layout's zero point,
+    by default `zero_point(c)`; 0 keeps every offset (the affine layout of any matrix)."""
     n, k = c.q.shape
     g = k // GROUP
     nb = -(-n // ROWS)
-    scales16 = all(torch.equal(t.half().float(), t) for t in (c.a, c.b))
+    zero = zero_point(c) if zero is None else zero
+    if zero and not torch.equal(c.b, c.a * -zero):
+        raise ValueError(f"zero point {zero} does not hold for every group")
+    stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
+    scales16 = all(torch.equal(t.half().float(), t) for t in stored)
     dt = torch.float16 if scales16 else torch.float32
     code_bytes = ROWS * GROUP * c.bits // 8
-    w = torch.empty(nb, g, code_bytes + 2 * ROWS * dt.itemsize, dtype=torch.uint8)
+    w = torch.empty(nb, g, code_bytes + len(stored) * ROWS * dt.itemsize, dtype=torch.uint8)
     for b0 in range(0, nb, chunk_blocks):
         b1 = min(b0 + chunk_blocks, nb)
         rows = slice(b0 * ROWS, b1 * ROWS)
-        _pack_blocks(w[b0:b1], c.q[rows], c.a[rows], c.b[rows], c.bits, code_bytes)
-    return PackedCodes(w, n, k, c.bits, scales16, zero_point(c))
+        _pack_blocks(w[b0:b1], c.q[rows], [t[rows] for t in stored], c.bits, code_bytes, dt)
+    return PackedCodes(w, n, k, c.bits, scales16, zero)
 
 
-def _pack_blocks(out: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int,
-                 code_bytes: int) -> None:
-    """Rows of whole 16-row blocks (the last one zero-padded) into `out` [blocks, groups, bytes]."""
+def _pack_blocks(out: torch.Tensor, q: torch.Tensor, scales: list[torch.Tensor], bits: int, code_bytes: int,
+                 dt: torch.dtype) -> None:
+    """Rows of whole 16-row blocks (the last one zero-padded) into `out` [blocks, groups, bytes];
+    scales: a, then b unless the layout has a zero point."""
     n, k = q.shape
     g = k // GROUP
     pad = (-n) % ROWS
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
-        a, b = torch.cat([a, a.new_zeros(pad, g)]), torch.cat([b, b.new_zeros(pad, g)])
+        scales = [torch.cat([t, t.new_zeros(pad, g)]) for t in scales]
     nb = q.shape[0] // ROWS
     if bits == 4:
         # k within a group = 8 c + 4 h + j: byte (c, row, j) = code(8c + j) | code(8c + 4 + j) << 4
@@ -184,8 +190,7 @@ def _pack_blocks(out: torch.Tensor, q: torch.Tensor, a: torch.Tensor, b: torch.T
     else:   # bytes (c, row, j) = code(4c + j) of the row: 4-byte runs, moved as int32
         runs = q.contiguous().view(torch.int32).view(nb, ROWS, g, 8).permute(0, 2, 3, 1)   # nb, g, c, row
         out[..., :code_bytes].view(torch.int32).view(nb, g, 8, ROWS).copy_(runs)
-    dt_bytes = (out.shape[-1] - code_bytes) // (2 * ROWS)
-    dt = torch.float16 if dt_bytes == 2 else torch.float32
-    for i, t in enumerate((a, b)):
-        start = code_bytes + i * ROWS * dt_bytes
-        out[..., start:start + ROWS * dt_bytes].view(dt).copy_(t.view(nb, ROWS, g).permute(0, 2, 1))
+    step = ROWS * dt.itemsize
+    for i, t in enumerate(scales):
+        start = code_bytes + i * step
+        out[..., start:start + step].view(dt).copy_(t.view(nb, ROWS, g).permute(0, 2, 1))

@@ -13,22 +13,41 @@ inline void check_f32_rows(const torch::Tensor& t, const char* name) {
               name, " must be a float32 [rows, cols] tensor with contiguous rows");
 }
 
+// f(std::integral_constant<int, ZL>{}) for a matrix's zero point ZL (0: the affine layout)
+template <int BITS, class F>
+void with_zero(int64_t zero, F f) {
+  if constexpr (BITS == 4) {
+    if (zero == 8) return f(std::integral_constant<int, 8>{});
+  } else {
+    if (zero == 16) return f(std::integral_constant<int, 16>{});
+    if (zero == 128) return f(std::integral_constant<int, 128>{});
+  }
+  f(std::integral_constant<int, 0>{});
+}
+
+inline void check_zero(int64_t bits, int64_t zero) {
+  TORCH_CHECK(zero == 0 || (bits == 4 ? zero == 8 : zero == 16 || zero == 128),
+              "zero must be 0 or 8 for 4-bit codes, 0, 16 or 128 for 8-bit ones");
+}
+
+// bytes of one packed block (block_bytes), checked against w by the callers
+inline int64_t packed_block_bytes(int64_t bits, bool scales16, int64_t zero) {
+  return (bits == 4 ? 256 : 512) + (zero > 0 ? 1 : 2) * ROWS * (scales16 ? 2 : 4);
+}
+
 // y = pre(x) @ W^T (+ y if accumulate). x: [M, K] (or [M, 2K] for the gated pre-ops).
 // w: the packed blocks (uint8); scales16: whether a and b are float16; zero: Z > 0 where every
-// group's offset is b = -Z a (Q4_0: 8, Q5_0: 16, Q8_0: 128), else 0. The variant takes the
-// integer zero-point path where it pays (Isa::kZeroPoints8: also for 8-bit codes), the
-// affine one otherwise; either way a variant computes a row the same way at every M.
+// group's offset is b = -Z a (Q4_0: 8, Q5_0: 16, Q8_0: 128; the blocks then hold no b), else 0.
+// The variant takes the integer zero-point path where it pays (Isa::kZeroPoints8: also for
+// 8-bit codes), the affine one otherwise; either way a variant computes a row the same way at
+// every M.
 template <int BITS, typename S>
 void gemm_zero(int64_t zero, const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y,
                int64_t ldy, bool accumulate) {
-  if (zero == 0 || (BITS == 8 && !Isa::kZeroPoints8)) return gemm<Isa, BITS, S, 0>(w, N, K, M, qa, y, ldy, accumulate);
-  if constexpr (BITS == 4) {
-    if (zero == 8) return gemm<Isa, BITS, S, 8>(w, N, K, M, qa, y, ldy, accumulate);
-  } else if constexpr (Isa::kZeroPoints8) {
-    if (zero == 16) return gemm<Isa, BITS, S, 16>(w, N, K, M, qa, y, ldy, accumulate);
-    if (zero == 128) return gemm<Isa, BITS, S, 128>(w, N, K, M, qa, y, ldy, accumulate);
-  }
-  TORCH_CHECK(false, "unreachable: zero checked by qgemm");
+  with_zero<BITS>(zero, [&](auto zl) {
+    constexpr int ZL = decltype(zl)::value, Z = BITS == 8 && !Isa::kZeroPoints8 ? 0 : ZL;
+    gemm<Isa, BITS, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate);
+  });
 }
 
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
@@ -37,8 +56,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(zero == 0 || (bits == 4 ? zero == 8 : zero == 16 || zero == 128),
-              "zero must be 0 or 8 for 4-bit codes, 0, 16 or 128 for 8-bit ones");
+  check_zero(bits, zero);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights must be contiguous uint8");
   const int64_t M = x.size(0);
   torch::Tensor y = out.has_value() ? *out : torch::empty({M, N}, x.options());
@@ -53,9 +71,8 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
   quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa);
   const int64_t blocks = (N + ROWS - 1) / ROWS * (K / GROUP);
-  const int64_t bb = scales16 ? (bits == 4 ? block_bytes<4, at::Half>() : block_bytes<8, at::Half>())
-                              : (bits == 4 ? block_bytes<4, float>() : block_bytes<8, float>());
-  TORCH_CHECK(w.numel() == blocks * bb, "packed weights do not match N, K, bits");
+  TORCH_CHECK(w.numel() == blocks * packed_block_bytes(bits, scales16, zero),
+              "packed weights do not match N, K, bits, zero");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
@@ -235,17 +252,17 @@ std::vector<bool> apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
 // argmax: optional [R] int64, set to each row's argmax after the refinement where the refinement
 // decides it (its best value above every logit it left alone), else -1 (the caller scans the row).
 void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits,
-                   bool scales16, double margin, int64_t cap, c10::optional<torch::Tensor> argmax) {
+                   bool scales16, int64_t zero, double margin, int64_t cap, c10::optional<torch::Tensor> argmax) {
   check_f32_rows(logits, "logits");
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0 && x.size(1) == K && logits.size(1) == N && x.size(0) == logits.size(0),
               "logits must be [R, N] and x [R, K]");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(cap >= 0 && margin >= 0, "margin and cap must be >= 0");
-  const int64_t bb = scales16 ? (bits == 4 ? block_bytes<4, at::Half>() : block_bytes<8, at::Half>())
-                              : (bits == 4 ? block_bytes<4, float>() : block_bytes<8, float>());
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 && w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * bb,
-              "packed weights do not match N, K, bits");
+  check_zero(bits, zero);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 &&
+                  w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * packed_block_bytes(bits, scales16, zero),
+              "packed weights do not match N, K, bits, zero");
   const int64_t R = logits.size(0), ldl = logits.stride(0), ldx = x.stride(0);
   int64_t* am = nullptr;
   if (argmax.has_value()) {
@@ -262,14 +279,16 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
     for (int64_t r = r0; r < r1; ++r) {
       float* row = lp + r * ldl;
       const float* xr = xp + r * ldx;
-      int64_t best;
-      if (scales16) {
-        if (bits == 4) best = refine_row<Isa, 4, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
-        else best = refine_row<Isa, 8, at::Half>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
-      } else {
-        if (bits == 4) best = refine_row<Isa, 4, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
-        else best = refine_row<Isa, 8, float>(row, N, xr, K, wp, (float)margin, cap, cand, xs);
-      }
+      int64_t best = -1;
+      const auto refine = [&](auto bits_c, auto scale) {
+        constexpr int BITS = decltype(bits_c)::value;
+        with_zero<BITS>(zero, [&](auto zl) {
+          best = refine_row<Isa, BITS, decltype(scale), decltype(zl)::value>(row, N, xr, K, wp, (float)margin, cap,
+                                                                             cand, xs);
+        });
+      };
+      if (bits == 4) scales16 ? refine(std::integral_constant<int, 4>{}, at::Half{}) : refine(std::integral_constant<int, 4>{}, 0.0f);
+      else scales16 ? refine(std::integral_constant<int, 8>{}, at::Half{}) : refine(std::integral_constant<int, 8>{}, 0.0f);
       if (am) am[r] = best;
     }
   });
@@ -313,7 +332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_format") = 0, py::arg("first") = py::none());
   m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place",
         py::arg("logits"), py::arg("x"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("bits"), py::arg("scales16"),
-        py::arg("margin"), py::arg("cap"), py::arg("argmax") = py::none());
+        py::arg("zero"), py::arg("margin"), py::arg("cap"), py::arg("argmax") = py::none());
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "

@@ -112,7 +112,7 @@ class QuantLinear:
         argmax [M] int64, if given: each row's argmax afterwards where the refinement decides it
         (its best value above every entry it left alone), else -1."""
         p = self.p
-        self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, margin, cap, argmax)
+        self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, argmax)
         return y
 
 
