@@ -596,11 +596,14 @@ LOOM_INLINE void scores_of(const float* qh, const float* buf, int64_t D, int64_t
   }
 }
 
-// Where a head is only a few vectors (SmolLM2's 64 floats: 4 on AVX-512, 8 on AVX2), a tile's
-// lane sums cost more than its FMAs save (0.94-0.97x on SmolLM2's AVX2 batches, 2 threads):
-// there the keys are converted to float once and each query takes W keys at a time (the same
-// FMA chains and lane sums, so the same bits). Gemma 3's 256-float heads take the tiles:
-// 1.05-1.15x on its batches (benchmarks/attn_batch.py).
+// Score tiles pay where one tile of queries uses the keys (a decode row's heads) and a head is
+// long: the keys are then read in place, never converted into a buffer. Gemma 3's 256-float
+// heads: 1.05-1.15x on its decode batches (benchmarks/attn_batch.py). Elsewhere the keys are
+// converted to float once and each query takes W keys at a time: SmolLM2's 64-float heads (4
+// vectors on AVX-512, 8 on AVX2), where a tile's lane sums cost more than its FMAs save
+// (0.94-0.97x on its AVX2 batches), and a prefill chunk's rows, which share every converted key
+// (tiles over the float keys made Gemma 3's 512-token prefill attention 5-8% slower). Either way
+// a score is the same FMA chain and lane sums, so the same bits.
 constexpr int64_t QK_TILE_VECTORS = 16;
 
 // scores of the queries i0 .. i0 + n - 1 for the mm keys at slots, query i0's from s, each
@@ -610,20 +613,15 @@ LOOM_INLINE void block_scores(const PagedAttn<C>& a, AttnItem& it, const int64_t
                               int64_t n, float* s, Skip skip) {
   const int64_t D = head_dim<V, NV>(a);
   const typename V::F sv = V::set1(a.scale);
-  if (D >= QK_TILE_VECTORS * V::W) {
+  if (n <= QK_QT && D >= QK_TILE_VECTORS * V::W) {
     const typename C::Elem* rows[KB];
     cache_rows<V, NV>(a, it, a.kc, slots, mm, rows);
-    for (int64_t i = i0; i < i0 + n; i += QK_QT) {
-      const int64_t q = std::min<int64_t>(QK_QT, i0 + n - i);
-      if (!skip(i, q)) qk_queries<V, NV>(q, it.q.data() + i, rows, D, mm, s + (i - i0) * it.n, it.n, sv);
-    }
+    if (!skip(i0, n)) qk_queries<V, NV>(n, it.q.data() + i0, rows, D, mm, s, it.n, sv);
     return;
   }
   for (int64_t r = 0; r < mm; ++r) C::template load<V>(a.row(a.kc, slots[r], it.kh), D, it.kv + r * D);
-  const float* buf = it.kv;
   for (int64_t i = i0; i < i0 + n; ++i)
-    if (!skip(i, 1))
-      scores_of<V, NV>(it.q[i], buf, D, mm, s + (i - i0) * it.n, sv);
+    if (!skip(i, 1)) scores_of<V, NV>(it.q[i], it.kv, D, mm, s + (i - i0) * it.n, sv);
 }
 
 // QK, shared keys of the part: every query, KB keys at a time
