@@ -86,6 +86,17 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   return y;
 }
 
+// refine_row for a matrix's zero point (the layout of its blocks), as gemm_zero dispatches the GEMM
+template <int BITS, typename S>
+int64_t refine_zero(int64_t zero, float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin,
+                    int64_t cap, std::vector<Scored>& cand, std::vector<float>& xs) {
+  int64_t best = -1;
+  with_zero<BITS>(zero, [&](auto zl) {
+    best = refine_row<Isa, BITS, S, decltype(zl)::value>(row, N, x, K, w, margin, cap, cand, xs);
+  });
+  return best;
+}
+
 // In place on qkv [T, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k heads, rotate-half
 // RoPE of q and k at `positions` (tables [P, D]); then k and v are stored at the cache slots in
 // the cache's format (kv_format: float32 or float16 caches as their dtype, or quantized rows,
@@ -279,16 +290,15 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
     for (int64_t r = r0; r < r1; ++r) {
       float* row = lp + r * ldl;
       const float* xr = xp + r * ldx;
-      int64_t best = -1;
-      const auto refine = [&](auto bits_c, auto scale) {
-        constexpr int BITS = decltype(bits_c)::value;
-        with_zero<BITS>(zero, [&](auto zl) {
-          best = refine_row<Isa, BITS, decltype(scale), decltype(zl)::value>(row, N, xr, K, wp, (float)margin, cap,
-                                                                             cand, xs);
-        });
-      };
-      if (bits == 4) scales16 ? refine(std::integral_constant<int, 4>{}, at::Half{}) : refine(std::integral_constant<int, 4>{}, 0.0f);
-      else scales16 ? refine(std::integral_constant<int, 8>{}, at::Half{}) : refine(std::integral_constant<int, 8>{}, 0.0f);
+      const float mg = (float)margin;
+      int64_t best;
+      if (scales16) {
+        if (bits == 4) best = refine_zero<4, at::Half>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
+        else best = refine_zero<8, at::Half>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
+      } else {
+        if (bits == 4) best = refine_zero<4, float>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
+        else best = refine_zero<8, float>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
+      }
       if (am) am[r] = best;
     }
   });

@@ -572,7 +572,9 @@ LOOM_INLINE void prefetch_rows(const PagedAttn<C>& a, const uint8_t* cache, cons
   }
 }
 
-// W scores <q, k_r> for the keys in buf (rows of D floats); NV = D / W when fixed, else 0
+// W scores <q, k_r> for the keys in buf (rows of D floats); NV = D / W when fixed, else 0. The
+// one-query case of qk_tile, kept apart: over a float buffer its fixed row stride compiles to
+// immediate offsets, where qk_tile's row pointers measured ~10% slower on SmolLM2's batches.
 template <class V, int NV, bool FULL>
 LOOM_INLINE typename V::F qk(const float* qh, const float* buf, int64_t Drt, int64_t mm) {
   const int64_t D = NV > 0 ? V::W * NV : Drt, nv = D / V::W;
