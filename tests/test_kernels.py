@@ -226,6 +226,35 @@ def test_qgemm_rows_do_not_depend_on_the_batch():
 
 
 @needs_kernels
+def test_qgemm_refinement_and_topk_do_not_depend_on_the_threads():
+    """The GEMM's block columns, the refinement's rows and top-k's rows are taken in chunks by
+    whichever thread is free; on 1 to 4 threads (more threads than cores: a thread loses its
+    core mid-range and the others take its chunks) every result has the same bits."""
+    codes = _random_codes(4099, 256, 8, seed=11, fp16_scales=True, zero=128)
+    lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
+    kern = kernels.load()
+    x = torch.randn(33, 256, generator=torch.Generator().manual_seed(4))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        y = lin(x)
+        am = torch.empty(33, dtype=torch.int64)
+        refined = lin.refine_top(x, y.clone(), 8.0, 64, am)
+        return y, refined, am, kern.topk_rows(refined, 20), lin(x[:1]), lin(x[:8])
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run()
+        for t in (2, 3, 4):
+            torch.set_num_threads(t)
+            for _ in range(3):
+                for a, b in zip(single, run()):
+                    assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("vocab", [49152, 100])
 def test_apply_bitmask_forbids_exactly_the_clear_bits(vocab):
     """The structured-output mask: words of zeros, of ones and mixed, a vocabulary that ends

@@ -284,7 +284,7 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
   float* lp = logits.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<Scored> cand;
     thread_local std::vector<float> xs;
     for (int64_t r = r0; r < r1; ++r) {
@@ -313,7 +313,7 @@ torch::Tensor topk_rows(torch::Tensor logits, int64_t k) {
   torch::Tensor out = torch::empty({R, k}, logits.options().dtype(torch::kInt64));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<Scored> cand;
     for (int64_t r = r0; r < r1; ++r) topk_row<Isa>(lp + r * ld, N, k, op + r * k, cand);
   });

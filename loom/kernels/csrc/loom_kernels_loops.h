@@ -29,7 +29,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -37,6 +39,45 @@
 #include "loom_kernels_simd.h"
 
 namespace loom {
+
+// f(begin, end) over [0, n) in chunks of at most `chunk` indices. Thread t owns the range a
+// static split would give it, [t n / T, (t + 1) n / T), and takes its chunks in order; a thread
+// done with its own range then takes the chunks still left in the others (an atomic counter a
+// range). On a machine shared with other processes (the server's front end, its clients), a
+// thread that loses its core for a few milliseconds then holds up only the chunk it has, where a
+// static split waits the whole time at the region's end; without such a delay, every thread
+// streams its own range, prefetches included. Which thread runs a chunk changes no arithmetic.
+template <class Fn>
+void parallel_chunks(int64_t n, int64_t chunk, const Fn& f) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+  if (T <= 1 || at::in_parallel_region()) return f(0, n);
+  struct alignas(64) Range { std::atomic<int64_t> next; int64_t end; };
+  thread_local std::unique_ptr<Range[]> mine;   // the calling thread's, kept across calls
+  thread_local int64_t have = 0;
+  if (have < T) mine.reset(new Range[have = T]);
+  Range* ranges = mine.get();   // (a lambda would see each worker's own thread_local)
+  for (int64_t t = 0; t < T; ++t) {
+    ranges[t].next.store(t * n / T, std::memory_order_relaxed);
+    ranges[t].end = (t + 1) * n / T;
+  }
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t k = 0; k < T; ++k) {
+        Range& r = ranges[(t + k) % T];
+        for (int64_t i; (i = r.next.fetch_add(chunk, std::memory_order_relaxed)) < r.end;)
+          f(i, std::min(r.end, i + chunk));
+      }
+  });
+}
+
+// a chunk size for n indices: about 8 chunks a thread, but at least `least` indices (a chunk's
+// work well above the cost of taking it) and at most `most`; never fewer chunks than threads
+inline int64_t chunk_of(int64_t n, int64_t least, int64_t most) {
+  const int64_t T = std::max(1, at::get_num_threads());
+  return std::max<int64_t>(1, std::min({std::max(n / (8 * T), least), most, (n + T - 1) / T}));
+}
 
 enum PreOp : int64_t { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2, PRE_GEGLU = 3 };
 
@@ -211,7 +252,9 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / K / V::MT_MAX * V::MT_MAX);
   const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
-  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+  // chunks of at least ~1M multiply-adds (a few microseconds)
+  const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
+  parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
     for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
       const int64_t nc1 = std::min(nc0 + NC, nb1);
       for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
@@ -856,7 +899,7 @@ void attn_impl(PagedAttn<C> a) {
     thread_local std::vector<float> part_mem;   // reused across calls: no allocation on the hot path
     part_mem.resize(R * a.H * a.NP * a.PS + 16);
     a.part = (float*)(((uintptr_t)part_mem.data() + 63) & ~(uintptr_t)63);
-    at::parallel_for(0, items, grain, [&](int64_t w0, int64_t w1) {
+    parallel_chunks(items, grain, [&](int64_t w0, int64_t w1) {
       thread_local AttnItem it;
       for (int64_t w = w0; w < w1; ++w) attn_item<V, NV>(a, parts[w / a.Hkv].first, parts[w / a.Hkv].second, w % a.Hkv, it);
     });
@@ -866,7 +909,7 @@ void attn_impl(PagedAttn<C> a) {
     });
     return;
   }
-  at::parallel_for(0, a.NG * a.Hkv, 1, [&](int64_t w0, int64_t w1) {
+  parallel_chunks(a.NG * a.Hkv, 1, [&](int64_t w0, int64_t w1) {
     thread_local AttnItem it;
     thread_local std::vector<float> mem, w;
     for (int64_t work = w0; work < w1; ++work) {
