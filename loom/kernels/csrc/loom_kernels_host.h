@@ -30,9 +30,17 @@ inline void check_zero(int64_t bits, int64_t zero) {
               "zero must be 0 or 8 for 4-bit codes, 0, 16 or 128 for 8-bit ones");
 }
 
-// bytes of one packed block (block_bytes), checked against w by the callers
-inline int64_t packed_block_bytes(int64_t bits, bool scales16, int64_t zero) {
-  return (bits == 4 ? 256 : 512) + (zero > 0 ? 1 : 2) * ROWS * (scales16 ? 2 : 4);
+// f(std::integral_constant<int, BITS>{}, S{}, std::integral_constant<int, ZL>{}) for a packed
+// matrix's code width, scale type (at::Half where scales16, else float) and zero point
+template <class F>
+void with_layout(int64_t bits, bool scales16, int64_t zero, F f) {
+  const auto with_scales = [&](auto b) {
+    const auto go = [&](auto s) { with_zero<decltype(b)::value>(zero, [&](auto zl) { f(b, s, zl); }); };
+    if (scales16) go(at::Half{});
+    else go(float{});
+  };
+  if (bits == 4) with_scales(std::integral_constant<int, 4>{});
+  else with_scales(std::integral_constant<int, 8>{});
 }
 
 // y = pre(x) @ W^T (+ y if accumulate). x: [M, K] (or [M, 2K] for the gated pre-ops).
@@ -41,14 +49,6 @@ inline int64_t packed_block_bytes(int64_t bits, bool scales16, int64_t zero) {
 // The variant takes the integer zero-point path where it pays (Isa::kZeroPoints8: also for
 // 8-bit codes), the affine one otherwise; either way a variant computes a row the same way at
 // every M.
-template <int BITS, typename S>
-void gemm_zero(int64_t zero, const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y,
-               int64_t ldy, bool accumulate) {
-  with_zero<BITS>(zero, [&](auto zl) {
-    constexpr int ZL = decltype(zl)::value, Z = BITS == 8 && !Isa::kZeroPoints8 ? 0 : ZL;
-    gemm<Isa, BITS, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate);
-  });
-}
 
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
                     c10::optional<torch::Tensor> out, bool accumulate, int64_t zero) {
@@ -71,30 +71,16 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
   quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa);
   const int64_t blocks = (N + ROWS - 1) / ROWS * (K / GROUP);
-  TORCH_CHECK(w.numel() == blocks * packed_block_bytes(bits, scales16, zero),
+  TORCH_CHECK(w.numel() == blocks * packed_block_bytes(bits, scales16 ? 2 : 4, zero),
               "packed weights do not match N, K, bits, zero");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
-  if (scales16) {
-    if (bits == 4) gemm_zero<4, at::Half>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
-    else gemm_zero<8, at::Half>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
-  } else {
-    if (bits == 4) gemm_zero<4, float>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
-    else gemm_zero<8, float>(zero, wp, N, K, M, qa, yp, ldy, accumulate);
-  }
-  return y;
-}
-
-// refine_row for a matrix's zero point (the layout of its blocks), as gemm_zero dispatches the GEMM
-template <int BITS, typename S>
-int64_t refine_zero(int64_t zero, float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin,
-                    int64_t cap, std::vector<Scored>& cand, std::vector<float>& xs) {
-  int64_t best = -1;
-  with_zero<BITS>(zero, [&](auto zl) {
-    best = refine_row<Isa, BITS, S, decltype(zl)::value>(row, N, x, K, w, margin, cap, cand, xs);
+  with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
+    constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = BITS == 8 && !Isa::kZeroPoints8 ? 0 : ZL;
+    gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate);
   });
-  return best;
+  return y;
 }
 
 // In place on qkv [T, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k heads, rotate-half
@@ -272,7 +258,7 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
   TORCH_CHECK(cap >= 0 && margin >= 0, "margin and cap must be >= 0");
   check_zero(bits, zero);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 &&
-                  w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * packed_block_bytes(bits, scales16, zero),
+                  w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * packed_block_bytes(bits, scales16 ? 2 : 4, zero),
               "packed weights do not match N, K, bits, zero");
   const int64_t R = logits.size(0), ldl = logits.stride(0), ldx = x.stride(0);
   int64_t* am = nullptr;
@@ -284,23 +270,17 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
   float* lp = logits.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
-    thread_local std::vector<Scored> cand;
-    thread_local std::vector<float> xs;
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = lp + r * ldl;
-      const float* xr = xp + r * ldx;
-      const float mg = (float)margin;
-      int64_t best;
-      if (scales16) {
-        if (bits == 4) best = refine_zero<4, at::Half>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
-        else best = refine_zero<8, at::Half>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
-      } else {
-        if (bits == 4) best = refine_zero<4, float>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
-        else best = refine_zero<8, float>(zero, row, N, xr, K, wp, mg, cap, cand, xs);
+  const float mg = (float)margin;
+  with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
+    parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<Scored> cand;
+      thread_local std::vector<float> xs;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t best = refine_row<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
+            lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, cand, xs);
+        if (am) am[r] = best;
       }
-      if (am) am[r] = best;
-    }
+    });
   });
 }
 

@@ -174,8 +174,13 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pr
 // 1.2x at 8 rows and 1.05-1.08x at 32 (benchmarks/step_ab.py; 16 and 32 gained less, 128 no more).
 constexpr int64_t GEMM_PF_BLOCKS = 64;
 
+// bytes of one packed block: the codes, 16 scales a and, without a zero point, 16 offsets b
+constexpr int64_t packed_block_bytes(int64_t bits, int64_t scale_bytes, int64_t zero) {
+  return (bits == 4 ? 256 : 512) + (zero > 0 ? 1 : 2) * ROWS * scale_bytes;
+}
+
 template <int BITS, typename S, int ZL>
-constexpr int64_t block_bytes() { return (BITS == 4 ? 256 : 512) + (ZL > 0 ? 1 : 2) * ROWS * sizeof(S); }
+constexpr int64_t block_bytes() { return packed_block_bytes(BITS, sizeof(S), ZL); }
 
 // acc[i] = rows h W .. (h + 1) W - 1 of a block column times activation row m0 + i, over all G groups.
 // Z > 0: every group's offset is b = -Z a (Q4_0, Q5_0, Q8_0: an integer zero point), so the
