@@ -5,8 +5,8 @@
 SmolLM2-135M's shapes (4-bit projections, the 8-bit tied output matrix) and Gemma 3 270M's output
 matrix, each as the general affine form and the zero-point one (see loom_kernels_loops.h), packed weights of random
 codes with float16 scales of 0.01 (the kernel's time does not depend on the values); best of 5
-timed runs of enough calls to take ~0.1 s. (The AVX2 variant runs 8-bit zero points on the affine
-path: its two rows of those shapes time the same code.) Compare with the CPU's integer dot-product peak
+timed runs of enough calls to take ~0.1 s. (The AVX2 variant runs Q8_0's zero point on the affine
+path: its two rows of those shapes time the same code; Q5_0's takes the integer path there too.) Compare with the CPU's integer dot-product peak
 (benchmarks/vnni_peak.cpp) to see how far the kernel is from the instruction's limit.
 """
 
@@ -20,8 +20,10 @@ import torch
 from loom import kernels
 
 SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "down": (576, 1536, 4),
-          "output": (49152, 576, 8), "gemma3 output": (262144, 640, 8)}
-ZERO = {4: 8, 8: 128}   # the zero-point forms (Q4_0, Q8_0) of each width, timed as a second row
+          "output": (49152, 576, 8), "gemma3 gate_up": (4096, 640, 8), "gemma3 output": (262144, 640, 8)}
+# the zero-point forms timed as a second row: Q4_0's 8 for 4-bit codes, Q8_0's 128 for 8-bit ones,
+# and Q5_0's 16 for Gemma 3's gate/up (5-bit codes in bytes)
+ZERO = {"gemma3 gate_up": 16, 4: 8, 8: 128}
 
 
 def packed(n: int, k: int, bits: int, zero: int) -> torch.Tensor:
@@ -46,7 +48,7 @@ def main() -> None:
     print(f"kernels {kernels.variant()}, {args.threads} thread(s); GMAC/s per call (best of 5)")
     print("| layer (N x K, bits) | " + " | ".join(f"M = {m}" for m in rows) + " |")
     print("|---|" + "---:|" * len(rows))
-    forms = [(name, shape, zero) for name, shape in SHAPES.items() for zero in (0, ZERO[shape[2]])]
+    forms = [(name, shape, zero) for name, shape in SHAPES.items() for zero in (0, ZERO.get(name, ZERO[shape[2]]))]
     for name, (n, k, bits), zero in forms:
         w, cells = packed(n, k, bits, zero), []
         for m in rows:

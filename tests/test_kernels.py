@@ -164,8 +164,8 @@ def test_qgemm_integer_zero_points(bits, zero):
         assert pa.zero == 0 and pa.w.numel() > p.w.numel()
         affine = kern.qgemm(x, pa.w, pa.n, pa.k, pa.bits, pa.scales16, PRE_NONE, None, 0.0, None, False, 0)
         ref = _reference(codes, x)
-        # the AVX2 variant keeps 8-bit codes on the affine path (kZeroPoints8): its usual tolerance
-        exact = bits == 4 or kernels.variant() == "avx512"
+        # the AVX2 variant keeps full 8-bit codes (Q8_0) on the affine path (zero_path): its usual tolerance
+        exact = bits == 4 or zero == 16 or kernels.variant() == "avx512"
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=(1e-5 if exact else 1e-4) * float(ref.abs().max()))
         torch.testing.assert_close(y, affine, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
         # rows do not depend on the batch on this path either
@@ -181,6 +181,30 @@ def test_zero_point_only_where_every_group_has_it():
     assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, b, 8)) == 0
     assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, -8 * a, 4)) == 8
     assert zero_point(QuantCodes(torch.zeros(16, 64, dtype=torch.uint8), a, -128 * a, 4)) == 0   # not a 4-bit code
+    # Q5_0's zero point 16 holds for codes 0..31 only (the AVX2 variant sums their products in int16)
+    q = torch.full((16, 64), 31, dtype=torch.uint8)
+    assert zero_point(QuantCodes(q, a, -16 * a, 8)) == 16
+    q[5, 7] = 32
+    assert zero_point(QuantCodes(q, a, -16 * a, 8)) == 0
+    with pytest.raises(ValueError, match="needs codes below 32"):
+        pack_codes(QuantCodes(q, a, -16 * a, 8), zero=16)
+
+
+@pytest.mark.skipif(kernels.supported_variants() != ["avx512", "avx2"], reason="needs a CPU that runs both variants")
+@pytest.mark.parametrize("bits,zero", [(4, 8), (8, 16)])
+def test_variants_agree_bitwise_on_integer_zero_points(bits, zero):
+    """Q4_0 and Q5_0 take the integer zero-point path on both variants: their integer dot
+    products are exact and the float steps after them the same, so the outputs agree bit for bit."""
+    avx512, avx2 = kernels.build("avx512"), kernels.build("avx2")
+    for n, k, m in [(40, 64, 1), (200, 640, 8), (576, 576, 33)]:
+        g = torch.Generator().manual_seed(n + m)
+        a = (torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+        codes = QuantCodes(torch.randint(0, 2 * zero, (n, k), dtype=torch.uint8, generator=g), a, -zero * a, bits)
+        p = pack_codes(codes)
+        x = torch.randn(m, k, generator=g) * 3
+        y = [kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero)
+             for kern in (avx512, avx2)]
+        assert torch.equal(y[0], y[1])
 
 
 @needs_kernels

@@ -124,7 +124,9 @@ def exact_codes(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> QuantCode
                       torch.from_numpy(np.ascontiguousarray(off, dtype=np.float32)), bits)
 
 
-ZERO_POINTS = {4: (8,), 8: (16, 128)}   # Q4_0; Q5_0, Q8_0: the kernels' integer zero points per width
+# Q4_0; Q5_0, Q8_0: the kernels' integer zero points per width. A zero point Z also bounds the
+# codes below 2 Z (Q5_0's are 0..31), which the AVX2 variant's integer path relies on.
+ZERO_POINTS = {4: (8,), 8: (16, 128)}
 
 
 @dataclass
@@ -143,11 +145,15 @@ class PackedCodes:
 
 
 def zero_point(c: QuantCodes) -> int:
-    """The integer zero point Z of `c` (b = -Z a in every group, exactly), or 0."""
+    """The integer zero point Z of `c` (b = -Z a in every group, exactly, and codes below 2 Z), or 0."""
     for z in ZERO_POINTS[c.bits]:
-        if torch.equal(c.b, c.a * -z):
+        if torch.equal(c.b, c.a * -z) and _codes_below(c, 2 * z):
             return z
     return 0
+
+
+def _codes_below(c: QuantCodes, bound: int) -> bool:
+    return bound >= 2 ** c.bits or int(c.q.max()) < bound
 
 
 def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) -> PackedCodes:
@@ -160,6 +166,8 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) 
     zero = zero_point(c) if zero is None else zero
     if zero and not torch.equal(c.b, c.a * -zero):
         raise ValueError(f"zero point {zero} does not hold for every group")
+    if zero and not _codes_below(c, 2 * zero):
+        raise ValueError(f"zero point {zero} needs codes below {2 * zero}")
     stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
     scales16 = all(torch.equal(t.half().float(), t) for t in stored)
     dt = torch.float16 if scales16 else torch.float32

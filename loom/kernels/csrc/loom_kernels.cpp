@@ -9,7 +9,9 @@
 namespace loom {
 
 struct Isa : Vec512 {
-  static constexpr bool kZeroPoints8 = true;   // 8-bit codes take the zero-point path too
+  // every matrix with a zero point takes the integer zero-point path, 8-bit codes too
+  template <int BITS, int ZL>
+  static constexpr bool zero_path() { return true; }
 
   // dot[i] = <codes of block wp - Z, activation row i> over one 32-group, one int32 per output
   // row (row i's 32 codes at xp + 8 i, their sum xs[i]): VPDPBUSD (u8 x s8 -> s32) covers 16

@@ -6,6 +6,8 @@
 //
 //   4-bit codes  VPMADDUBSW (u8 x s8 -> s16 pair sums) on the nibbles directly; the int16 sums
 //                over a group stay below 8 * 2 * 15 * 127 = 30480, then VPMADDWD to int32.
+//   5-bit codes  (Q5_0's 0..31, zero point 16, in bytes) like the nibbles: VPMADDUBSW on the
+//                codes, four chunks summed in int16 (< 4 * 2 * 31 * 128 = 31744), VPMADDWD each half.
 //   8-bit codes  q - 128 = c as signed bytes, and <q, x> = <|c|, sign(x, c)> + 128 sum(x):
 //                one VPMADDUBSW on |c| <= 128 with c's sign moved onto the activation (pair
 //                sums <= 2 * 128 * 127 = 32512, no saturation), VPMADDWD to int32 per chunk;
@@ -17,10 +19,12 @@
 namespace loom {
 
 struct Isa : Vec256 {
-  // 8-bit codes keep the affine path: with the zero point, a one-stream decode step ran 2-7%
+  // Whether a matrix of this code width and zero point takes the integer zero-point path. Full
+  // 8-bit codes keep the affine one: with the zero point, a one-stream decode step ran 2-7%
   // slower on Zen 4 (the GEMM alone at M = 1, benchmarks/gemm_rate.py: 12-18%), where 8 and 32
-  // rows gained 2-8%
-  static constexpr bool kZeroPoints8 = false;
+  // rows gained 2-8%. 5-bit codes (zero point 16) take it: their dot products need no sign moves.
+  template <int BITS, int ZL>
+  static constexpr bool zero_path() { return BITS == 4 || ZL == 16; }
 
   // dot[i] = <codes of rows 8h .. 8h+7 of block wp - Z, activation row i> over one 32-group, one
   // int32 per row (row i's 32 codes at xp + 8 i, their sum xs[i])
@@ -45,8 +49,21 @@ struct Isa : Vec256 {
         dot[i] = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
         if constexpr (Z != 0) dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(Z * xs[i]));
       }
+    } else if constexpr (Z == 16) {   // codes 0..31: pairs as the nibbles', four chunks per int16 sum
+      I code[8];
+      for (int c = 0; c < 8; ++c) code[c] = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
+      for (int i = 0; i < MT; ++i) {
+        I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[8 * i]));
+        I s1 = _mm256_maddubs_epi16(code[1], _mm256_set1_epi32(xp[8 * i + 1]));
+        for (int c = 2; c < 8; c += 2) {
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[c], _mm256_set1_epi32(xp[8 * i + c])));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[c + 1], _mm256_set1_epi32(xp[8 * i + c + 1])));
+        }
+        dot[i] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)),
+                                  _mm256_set1_epi32(16 * xs[i]));
+      }
     } else {
-      static_assert(Z == 0, "8-bit codes take the affine path here (kZeroPoints8)");
+      static_assert(Z == 0, "full 8-bit codes take the affine path here (zero_path)");
       const I flip = _mm256_set1_epi8((char)0x80);
       for (int i = 0; i < MT; ++i) dot[i] = _mm256_set1_epi32(128 * xs[i]);
       for (int c = 0; c < 8; ++c) {

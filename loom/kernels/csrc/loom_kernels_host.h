@@ -46,8 +46,8 @@ void with_layout(int64_t bits, bool scales16, int64_t zero, F f) {
 // y = pre(x) @ W^T (+ y if accumulate). x: [M, K] (or [M, 2K] for the gated pre-ops).
 // w: the packed blocks (uint8); scales16: whether a and b are float16; zero: Z > 0 where every
 // group's offset is b = -Z a (Q4_0: 8, Q5_0: 16, Q8_0: 128; the blocks then hold no b), else 0.
-// The variant takes the integer zero-point path where it pays (Isa::kZeroPoints8: also for
-// 8-bit codes), the affine one otherwise; either way a variant computes a row the same way at
+// The variant takes the integer zero-point path where it pays (Isa::zero_path: the AVX2 variant
+// keeps full 8-bit codes on the affine one); either way a variant computes a row the same way at
 // every M.
 
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
@@ -77,7 +77,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
   with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
-    constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = BITS == 8 && !Isa::kZeroPoints8 ? 0 : ZL;
+    constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = Isa::template zero_path<BITS, ZL>() ? ZL : 0;
     gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate);
   });
   return y;

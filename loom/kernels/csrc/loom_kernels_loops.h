@@ -187,7 +187,7 @@ constexpr int64_t block_bytes() { return packed_block_bytes(BITS, sizeof(S), ZL)
 // offset term is integer, a d <q - Z, xq> = a d (<q, xq> - Z sum(xq)), and one FMA per row and
 // group is left on the multiply pipes instead of two (and the two large terms' cancellation is exact).
 // ZL: the layout's zero point (blocks without b); Z is ZL, or 0 for the affine arithmetic on such
-// a matrix (the AVX2 variant's 8-bit codes), which then takes b = -ZL a.
+// a matrix (the AVX2 variant's full 8-bit codes, Q8_0), which then takes b = -ZL a.
 template <class V, int BITS, int MT, typename S, int Z, int ZL>
 LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
                       typename V::F* acc) {
