@@ -173,6 +173,14 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pr
 // left Gemma 3's 262k-row output matrix waiting on memory; 64 ahead into L2 gave its decode step
 // 1.2x at 8 rows and 1.05-1.08x at 32 (benchmarks/step_ab.py; 16 and 32 gained less, 128 no more).
 constexpr int64_t GEMM_PF_BLOCKS = 64;
+// Where a call has at most GEMM_NTA_ROWS rows and reads each weight block once, the weights are
+// prefetched non-temporally, GEMM_NTA_BLOCKS ahead: a decode step of a few streams reads every
+// layer's weights from memory, and through L2 and L3 they evicted what the step reuses (the
+// kernels' code, the KV cache, the interpreter's working set). One-stream steps ran 1.14x
+// (SmolLM2) and 1.19-1.25x (Gemma 3) as fast, 4 streams 1.00x and 1.07x (benchmarks/step_ab.py,
+// Zen 4). 8 ahead gained less, 32 nothing for Gemma 3; at 8 rows, where Gemma 3's output matrix is
+// no longer waiting on memory, streamed blocks ran 0.91-0.93x, so more rows keep them in L2.
+constexpr int64_t GEMM_NTA_BLOCKS = 16, GEMM_NTA_ROWS = 4;
 
 // bytes of one packed block: the codes, 16 scales a and, without a zero point, 16 offsets b
 constexpr int64_t packed_block_bytes(int64_t bits, int64_t scale_bytes, int64_t zero) {
@@ -190,7 +198,7 @@ constexpr int64_t block_bytes() { return packed_block_bytes(BITS, sizeof(S), ZL)
 // a matrix (the AVX2 variant's full 8-bit codes, Q8_0), which then takes b = -ZL a.
 template <class V, int BITS, int MT, typename S, int Z, int ZL>
 LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
-                      typename V::F* acc) {
+                      bool once, typename V::F* acc) {
   static_assert(Z == 0 || Z == ZL, "the integer path needs the layout's zero point");
   constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S, ZL>();
   const int64_t P = qa.P;
@@ -201,8 +209,12 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
   for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
-    if (h == 0)   // the weights stream from memory (GEMM_PF_BLOCKS)
-      for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
+    if (h == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
+      if (once)
+        for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_NTA_BLOCKS * BLOCK + off), _MM_HINT_NTA);
+      else
+        for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
+    }
     typename V::I dot[MT];
     V::template dots<BITS, MT, Z>(wp, h, xq, xs, dot);   // row i's codes at xq + 8 i
     const S* sc = (const S*)(wp + CODE_BYTES);
@@ -221,25 +233,26 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
 // than 16 rows only at the end of N
 template <class V, int BITS, int MT, typename S, int Z, int ZL, int H = 0>
 inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y, int64_t ldy,
-                 int64_t n0, int64_t N, bool accumulate) {
+                 int64_t n0, int64_t N, bool accumulate, bool once) {
   const int64_t n = N - n0 - H * V::W;
   if (n <= 0) return;
   typename V::F acc[MT];
-  tile_part<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, H, acc);
+  tile_part<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, H, once, acc);
   for (int i = 0; i < MT; ++i) {
     float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
     V::store_n(yp, accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i], n);
   }
-  if constexpr (H + 1 < ROWS / V::W) tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
+  if constexpr (H + 1 < ROWS / V::W)
+    tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
 }
 
 // the tile for mt = 1 .. MT activation rows
 template <class V, int BITS, typename S, int Z, int ZL, int MT = V::MT_MAX>
 inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
-                      int64_t ldy, int64_t n0, int64_t N, bool accumulate) {
+                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, bool once) {
   if constexpr (MT > 1)
-    if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate);
-  tile<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate);
+    if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
+  tile<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
 }
 
 // Cache blocking. The tiles of one block column read its weights G times per MT rows and the
@@ -257,6 +270,9 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / K / V::MT_MAX * V::MT_MAX);
   const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
+  // a few rows whose tiles read each weight block once (one part per block: the AVX2 variant's two
+  // halves read it twice, and its step ran 0.9x with the blocks streamed): past the caches
+  const bool once = M <= GEMM_NTA_ROWS && ROWS == V::W;
   // chunks of at least ~1M multiply-adds (a few microseconds)
   const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
   parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
@@ -267,7 +283,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
         for (int64_t nb = nc0; nb < nc1; ++nb)
           for (int64_t m0 = mc0; m0 < mc1; m0 += V::MT_MAX)
             tile_rows<V, BITS, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
-                                  nb * ROWS, N, accumulate);
+                                  nb * ROWS, N, accumulate, once);
       }
     }
   });
