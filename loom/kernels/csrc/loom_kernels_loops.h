@@ -196,84 +196,54 @@ constexpr int64_t block_bytes() { return packed_block_bytes(BITS, sizeof(S), ZL)
 // group is left on the multiply pipes instead of two (and the two large terms' cancellation is exact).
 // ZL: the layout's zero point (blocks without b); Z is ZL, or 0 for the affine arithmetic on such
 // a matrix (the AVX2 variant's full 8-bit codes, Q8_0), which then takes b = -ZL a.
-// acc[i] += row i's products with part h of one group's block wp (row i's codes at xq + 8 i)
 template <class V, int BITS, int MT, typename S, int Z, int ZL>
-LOOM_INLINE void group_part(const uint8_t* wp, int h, const int32_t* xq, const int32_t* xs, const float* d,
-                            const float* s, typename V::F* acc) {
+LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
+                      bool once, typename V::F* acc) {
   static_assert(Z == 0 || Z == ZL, "the integer path needs the layout's zero point");
-  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512;
-  typename V::I dot[MT];
-  V::template dots<BITS, MT, Z>(wp, h, xq, xs, dot);
-  const S* sc = (const S*)(wp + CODE_BYTES);
-  const typename V::F av = V::load(sc + h * V::W);
-  const typename V::F bv = Z > 0    ? V::zero()
-                           : ZL > 0 ? V::mul(av, V::set1(-(float)ZL))
-                                    : V::load(sc + ROWS + h * V::W);
-  for (int i = 0; i < MT; ++i) {
-    acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
-    if constexpr (Z == 0) acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);   // the offset term b s
-  }
-}
-
-// acc[p] = parts H .. H + NP - 1 of one block column over all groups, for MT rows from m0. A
-// call that reads each block once (`once`) takes every part of a block at a time, and the
-// blocks stream past L2 and L3 (GEMM_NTA_BLOCKS); otherwise a part at a time, and the column
-// waits in L2 for the next part and the next rows (GEMM_PF_BLOCKS).
-template <class V, int BITS, int MT, typename S, int Z, int ZL, int H, int NP>
-LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, bool once,
-                           typename V::F (*acc)[MT]) {
-  constexpr int64_t BLOCK = block_bytes<BITS, S, ZL>();
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S, ZL>();
   const int64_t P = qa.P;
-  for (int p = 0; p < NP; ++p)
-    for (int i = 0; i < MT; ++i) acc[p][i] = V::zero();
+  for (int i = 0; i < MT; ++i) acc[i] = V::zero();
   // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
   const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
   const int32_t* xs = qa.xs.data() + m0 * G;
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
   for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
-    if constexpr (H == 0) {   // the weights stream from memory
+    if (h == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
       if (once)
         for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_NTA_BLOCKS * BLOCK + off), _MM_HINT_NTA);
       else
         for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
     }
-    for (int p = 0; p < NP; ++p) group_part<V, BITS, MT, S, Z, ZL>(wp, H + p, xq, xs, d, s, acc[p]);
-  }
-}
-
-// y[m0 .. m0 + MT, n0 + H W ..) (+)= acc[p] for parts H .. H + NP - 1, those within N
-template <class V, int MT, int H, int NP>
-inline void store_parts(typename V::F (*acc)[MT], int64_t m0, float* y, int64_t ldy, int64_t n0, int64_t N,
-                        bool accumulate) {
-  for (int p = 0; p < NP; ++p) {
-    const int64_t n = N - n0 - (H + p) * V::W;
-    if (n <= 0) return;
+    typename V::I dot[MT];
+    V::template dots<BITS, MT, Z>(wp, h, xq, xs, dot);   // row i's codes at xq + 8 i
+    const S* sc = (const S*)(wp + CODE_BYTES);
+    const typename V::F av = V::load(sc + h * V::W);
+    const typename V::F bv = Z > 0    ? V::zero()
+                             : ZL > 0 ? V::mul(av, V::set1(-(float)ZL))
+                                      : V::load(sc + ROWS + h * V::W);
     for (int i = 0; i < MT; ++i) {
-      float* yp = y + (m0 + i) * ldy + n0 + (H + p) * V::W;
-      V::store_n(yp, accumulate ? V::add(acc[p][i], V::load_n(yp, n)) : acc[p][i], n);
+      acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
+      if constexpr (Z == 0) acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);   // the offset term b s
     }
   }
 }
 
-// y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it (all at
-// once where `once`); fewer than 16 rows only at the end of N
+// y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it; fewer
+// than 16 rows only at the end of N
 template <class V, int BITS, int MT, typename S, int Z, int ZL, int H = 0>
 inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y, int64_t ldy,
                  int64_t n0, int64_t N, bool accumulate, bool once) {
-  constexpr int PARTS = ROWS / V::W;
-  if (N - n0 - H * V::W <= 0) return;
-  if constexpr (H == 0 && PARTS > 1) {
-    if (once) {
-      typename V::F acc[PARTS][MT];
-      tile_part<V, BITS, MT, S, Z, ZL, 0, PARTS>(w, G, qa, K, m0, true, acc);
-      return store_parts<V, MT, 0, PARTS>(acc, m0, y, ldy, n0, N, accumulate);
-    }
+  const int64_t n = N - n0 - H * V::W;
+  if (n <= 0) return;
+  typename V::F acc[MT];
+  tile_part<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, H, once, acc);
+  for (int i = 0; i < MT; ++i) {
+    float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
+    V::store_n(yp, accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i], n);
   }
-  typename V::F acc[1][MT];
-  tile_part<V, BITS, MT, S, Z, ZL, H, 1>(w, G, qa, K, m0, once, acc);
-  store_parts<V, MT, H, 1>(acc, m0, y, ldy, n0, N, accumulate);
-  if constexpr (H + 1 < PARTS) tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, false);
+  if constexpr (H + 1 < ROWS / V::W)
+    tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
 }
 
 // the tile for mt = 1 .. MT activation rows
@@ -300,10 +270,12 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / K / V::MT_MAX * V::MT_MAX);
   const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
-  // a few rows: every block read once, streamed past the caches (one row where a block has two
-  // parts: the AVX2 variant's multiply-adds take about twice as long, and at 2 rows Gemma 3's
-  // step ran 0.85x, at 4 rows both models' 0.92-0.93x)
-  const bool once = M <= (ROWS == V::W ? GEMM_NTA_ROWS : 1);
+  // a few rows whose tiles read each weight block once: past the caches. Not on AVX2, whose tiles
+  // read a block's two halves one after the other (streamed, its one-row step ran 0.91x). Taking
+  // both halves at a time, one row gained 1.07-1.21x there, but 2 and 4 rows lost (0.85-0.93x),
+  // so a step with a draft node no longer streamed while plain steps did, and speculation's
+  // floor fell (Spec-Bench writing, SmolLM2: 0.969x).
+  const bool once = M <= GEMM_NTA_ROWS && ROWS == V::W;
   // chunks of at least ~1M multiply-adds (a few microseconds)
   const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
   parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
