@@ -176,8 +176,8 @@ constexpr int64_t GEMM_PF_BLOCKS = 64;
 // Where a call has at most GEMM_NTA_ROWS rows and reads each weight block once, the weights are
 // prefetched non-temporally, GEMM_NTA_BLOCKS ahead: a decode step of a few streams reads every
 // layer's weights from memory, and through L2 and L3 they evicted what the step reuses (the
-// kernels' code, the KV cache, the interpreter's working set). One-stream steps ran 1.14x
-// (SmolLM2) and 1.19-1.25x (Gemma 3) as fast, 4 streams 1.00x and 1.07x (benchmarks/step_ab.py,
+// kernels' code, the KV cache, the interpreter's working set). One-stream steps ran 1.05-1.15x
+// (SmolLM2) and 1.12-1.25x (Gemma 3) as fast, 4 streams 1.00x and 1.02-1.07x (benchmarks/step_ab.py,
 // Zen 4). 8 ahead gained less, 32 nothing for Gemma 3; at 8 rows, where Gemma 3's output matrix is
 // no longer waiting on memory, streamed blocks ran 0.91-0.93x, so more rows keep them in L2.
 constexpr int64_t GEMM_NTA_BLOCKS = 16, GEMM_NTA_ROWS = 4;
