@@ -31,13 +31,19 @@ struct Isa : Vec256 {
   template <int BITS, int MT, int Z>
   LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* xp, const int32_t* xs, I* dot) {
     const I ones = _mm256_set1_epi16(1);
-    if constexpr (BITS == 4) {   // code[j] pairs with input dword j: the low, then high nibbles of chunk j / 2
-      const I low = _mm256_set1_epi8(0x0F);
+    if constexpr (BITS == 4 || Z == 16) {
+      // code[j] pairs with input dword j: 4-bit, the low, then high nibbles of chunk j / 2;
+      // 5-bit (Q5_0's 0..31, zero point 16), chunk j's bytes
       I code[8];
-      for (int c = 0; c < 4; ++c) {
-        const I v = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
-        code[2 * c] = _mm256_and_si256(v, low);
-        code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (BITS == 4) {
+        const I low = _mm256_set1_epi8(0x0F);
+        for (int c = 0; c < 4; ++c) {
+          const I v = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
+          code[2 * c] = _mm256_and_si256(v, low);
+          code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+      } else {
+        for (int c = 0; c < 8; ++c) code[c] = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
       }
       for (int i = 0; i < MT; ++i) {
         I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[8 * i]));
@@ -46,21 +52,10 @@ struct Isa : Vec256 {
           s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[c], _mm256_set1_epi32(xp[8 * i + c])));
           s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[c + 1], _mm256_set1_epi32(xp[8 * i + c + 1])));
         }
-        dot[i] = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+        // 4-bit: s0 + s1 still fits int16; 5-bit: each of them only
+        dot[i] = BITS == 4 ? _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones)
+                           : _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
         if constexpr (Z != 0) dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(Z * xs[i]));
-      }
-    } else if constexpr (Z == 16) {   // codes 0..31: pairs as the nibbles', four chunks per int16 sum
-      I code[8];
-      for (int c = 0; c < 8; ++c) code[c] = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
-      for (int i = 0; i < MT; ++i) {
-        I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[8 * i]));
-        I s1 = _mm256_maddubs_epi16(code[1], _mm256_set1_epi32(xp[8 * i + 1]));
-        for (int c = 2; c < 8; c += 2) {
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[c], _mm256_set1_epi32(xp[8 * i + c])));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[c + 1], _mm256_set1_epi32(xp[8 * i + c + 1])));
-        }
-        dot[i] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)),
-                                  _mm256_set1_epi32(16 * xs[i]));
       }
     } else {
       static_assert(Z == 0, "full 8-bit codes take the affine path here (zero_path)");
