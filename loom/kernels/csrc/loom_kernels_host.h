@@ -83,6 +83,30 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   return y;
 }
 
+// One head x [D] in place: RMSNorm by nw (none if null), then RoPE rotating x[i] with x[i + D/2]
+// by the position's cos c and sin s [D]. Vector loops, a scalar tail where D/2 is not a multiple
+// of the vector width; the norm's sum of squares is the lane-wise tree of sum_squares.
+template <class V>
+inline void norm_rope_head(float* x, const float* nw, float eps, const float* c, const float* s, int64_t D) {
+  using F = typename V::F;
+  const int64_t half = D / 2, vec = half / V::W * V::W;
+  if (nw) {
+    const float r = 1.0f / std::sqrt(sum_squares<V>(x, D) / (float)D + eps);
+    const F rv = V::set1(r);
+    for (int64_t i = 0; i < D; i += V::W) V::store(x + i, V::mul(V::mul(V::load(x + i), rv), V::load(nw + i)));
+  }
+  for (int64_t i = 0; i < vec; i += V::W) {
+    const F x1 = V::load(x + i), x2 = V::load(x + i + half);
+    V::store(x + i, V::sub(V::mul(x1, V::load(c + i)), V::mul(x2, V::load(s + i))));
+    V::store(x + i + half, V::fma(x1, V::load(s + i + half), V::mul(x2, V::load(c + i + half))));
+  }
+  for (int64_t i = vec; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c[i] - x2 * s[i];
+    x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+  }
+}
+
 // In place on qkv [T, (H + 2 Hkv) * D]: optional per-head RMSNorm of q and k heads, rotate-half
 // RoPE of q and k at `positions` (tables [P, D]); then k and v are stored at the cache slots in
 // the cache's format (kv_format: float32 or float16 caches as their dtype, or quantized rows,
@@ -92,7 +116,7 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
                 int64_t kv_format) {
   check_f32_rows(qkv, "qkv");
-  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  const int64_t T = qkv.size(0), D = cos.size(1);
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qkv has the wrong width");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "caches must be contiguous and of one dtype");
@@ -115,21 +139,7 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
         float* row = base + t * ld;
         const float* c = ct + pos[t] * D;
         const float* s = st + pos[t] * D;
-        for (int64_t h = 0; h < H + Hkv; ++h) {
-          float* x = row + h * D;
-          const float* nw = h < H ? qn : kn;
-          if (nw) {
-            float ss = 0.0f;
-            for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
-            float r = 1.0f / std::sqrt(ss / (float)D + (float)eps);
-            for (int64_t i = 0; i < D; ++i) x[i] = x[i] * r * nw[i];
-          }
-          for (int64_t i = 0; i < half; ++i) {
-            float x1 = x[i], x2 = x[i + half];
-            x[i] = x1 * c[i] - x2 * s[i];
-            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-          }
-        }
+        for (int64_t h = 0; h < H + Hkv; ++h) norm_rope_head<Isa>(row + h * D, h < H ? qn : kn, (float)eps, c, s, D);
         for (int64_t h = 0; h < Hkv; ++h) {
           kv_store_row<Isa, C>(kc + (sl[t] * Hkv + h) * rb, row + (H + h) * D, D);
           kv_store_row<Isa, C>(vc + (sl[t] * Hkv + h) * rb, row + (H + Hkv + h) * D, D);
