@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost, TokenLogprobs
@@ -308,26 +309,29 @@ def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, Atte
         tokens     c  n0  n1  n2  n3
         positions  p  p+1 p+1 p+2 p+3
     """
+    # numpy per sequence, one torch tensor per result: a few small torch ops per sequence cost
+    # ~17 us each at 32 decodes (~0.5 ms a step), their numpy forms a few
     ids, pos, query_lens, ctx_lens, kv_slots, masks, kv_pos = [], [], [], [], [], [], []
-    offsets = torch.arange(block_size)
+    offsets = np.arange(block_size, dtype=np.int64)
     for s in seqs:
         kv_start = s.start_pos if s.kv_start is None else s.kv_start
         n, ctx = len(s.token_ids), kv_start + len(s.token_ids)     # ctx: KV entries, not positions
         ids += s.token_ids
         nd = len(s.draft_parents)
         root = s.start_pos + n - nd - 1
-        pos.append(torch.arange(s.start_pos, root + 1))
+        pos.append(np.arange(s.start_pos, root + 1, dtype=np.int64))
         if nd:
-            pos.append(root + torch.tensor(DraftTree(tuple(s.token_ids[n - nd:]), s.draft_parents).depths))
+            pos.append(root + np.asarray(DraftTree(tuple(s.token_ids[n - nd:]), s.draft_parents).depths, dtype=np.int64))
         masks.append(tree_attention_mask(n - nd, s.draft_parents) if nd else None)
-        table = torch.tensor(s.block_table[:(ctx + block_size - 1) // block_size], dtype=torch.int64)
-        kv_slots.append((table[:, None] * block_size + offsets).flatten()[:ctx])   # [ctx]
+        table = np.asarray(s.block_table[:(ctx + block_size - 1) // block_size], dtype=np.int64)
+        kv_slots.append((table[:, None] * block_size + offsets).reshape(-1)[:ctx])   # [ctx]
         kv_pos.append(positions_tensor(s.kv_runs, ctx) if s.kv_runs else None)     # [ctx] after eviction
         query_lens.append(n)
         ctx_lens.append(ctx)
-    positions = torch.cat(pos)
-    slot_mapping = torch.cat([sl[-n:] for sl, n in zip(kv_slots, query_lens)])
-    meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, kv_slots,
+    positions = torch.from_numpy(np.concatenate(pos)) if pos else torch.zeros(0, dtype=torch.int64)
+    slot_mapping = (torch.from_numpy(np.concatenate([sl[len(sl) - n:] for sl, n in zip(kv_slots, query_lens)]))
+                    if kv_slots else torch.zeros(0, dtype=torch.int64))
+    meta = AttentionMetadata.build(slot_mapping, query_lens, ctx_lens, [torch.from_numpy(sl) for sl in kv_slots],
                                    masks if any(m is not None for m in masks) else None,
                                    kv_pos if any(p is not None for p in kv_pos) else None)
     return torch.tensor(ids, dtype=torch.int64), positions, meta

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -183,11 +184,12 @@ class KernelRows:
             (seqs if meta.tree_masks[s] is None or n <= 2 * ROW_QUERY_MAX else rest).append(s)
         if not seqs:
             return cls(None, torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), rest)
+        # numpy row by row (torch ops of a few elements cost several times more), then tensors
         rows = sum(meta.query_lens[s] for s in seqs)
-        slots = torch.empty(rows, max(meta.context_lens[s] for s in seqs), dtype=torch.int64)
+        slots = np.empty((rows, max(meta.context_lens[s] for s in seqs)), dtype=np.int64)
         ctx, tokens, starts, shared, r = [], [], [], [], 0
         for s in seqs:
-            n, c, base = meta.query_lens[s], meta.context_lens[s], meta.kv_slots[s]
+            n, c, base = meta.query_lens[s], meta.context_lens[s], meta.kv_slots[s].numpy()
             p = c - n                          # context before the new tokens
             mask = meta.tree_masks[s]
             if mask is None:                   # causal: row j reads the first p + j + 1 slots
@@ -196,18 +198,19 @@ class KernelRows:
                     starts.append(r + j)
                     shared.append(p + last)
                     slots[r + j, :c] = base    # the kernel reads a group's shared slots from its first row
-                ctx.append(torch.arange(p + 1, c + 1))
+                ctx.append(np.arange(p + 1, c + 1, dtype=np.int64))
             else:                              # row j: the context, then its visible new tokens in order
                 starts.append(r)
                 shared.append(p)
-                order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+                order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices.numpy()
                 slots[r:r + n, :p] = base[:p]
                 slots[r:r + n, p:c] = base[p:][order]
-                ctx.append(p + mask.sum(dim=1))
-            tokens.append(torch.arange(meta.query_starts[s], meta.query_starts[s] + n))
+                ctx.append(p + mask.sum(dim=1).numpy())
+            tokens.append(np.arange(meta.query_starts[s], meta.query_starts[s] + n, dtype=np.int64))
             r += n
         every = len(seqs) == len(meta.query_lens)
-        return cls(None if every else torch.cat(tokens), slots, torch.cat(ctx).to(torch.int64), rest,
+        return cls(None if every else torch.from_numpy(np.concatenate(tokens)), torch.from_numpy(slots),
+                   torch.from_numpy(np.concatenate(ctx).astype(np.int64)), rest,
                    torch.tensor(starts + [r], dtype=torch.int64), torch.tensor(shared, dtype=torch.int64), seqs)
 
 
