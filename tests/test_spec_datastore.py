@@ -166,6 +166,30 @@ def test_slow_points_are_timed_again_or_clipped_to_the_grid_order():
             assert times[p] == pytest.approx(true_cost(*p))
 
 
+class Burst:
+    """A fake forward pass: the true cost, but calls first .. first + length - 1 (a burst of
+    interference, whatever point they time) 1.4x slower: too little to break the grid's order."""
+
+    def __init__(self, first: int, length: int):
+        self.first, self.length, self.calls = first, length, 0
+
+    def __call__(self, seqs) -> float:
+        self.calls += 1
+        b, k, n = len(seqs), len(seqs[0].token_ids) - 1, seqs[0].start_pos
+        slow = self.first <= self.calls < self.first + self.length
+        return true_cost(n, b, k) * (1.4 if slow else 1)
+
+
+@pytest.mark.parametrize("first", [2, 7, 20])
+def test_a_burst_of_interference_spoils_no_point(first):
+    """The passes go in rounds over the grid: a burst shorter than a round slows at most one
+    pass of each point, and the fastest of the others counts (back to back, a burst of three
+    passes took a point's every repeat)."""
+    times = measure(Burst(first, len(GRID.points()) - 1), GRID, vocab_size=50, block_size=16)
+    for p in GRID.points():
+        assert times[p] == pytest.approx(true_cost(*p))
+
+
 def test_calibration_is_cached_per_key_and_reused_without_timing(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration.kernels, "variant", lambda: "avx2")   # no kernel build in an empty cache

@@ -2,10 +2,15 @@
 
 Points. A pass of B sequences at a context of N tokens, each carrying k draft nodes (X = B * k
 extra tokens), is timed at every (N, B, k) of a small grid (`Grid`). Each point is the fastest
-of REPEATS passes. On a shared machine a point can still come out slow (another process took
-the core); the cost of a pass never falls when N, B or k grows, so a point slower than one of
-its larger neighbours is timed again (RETRIES rounds), and whatever still breaks the order is
-clipped to its neighbours' cost:
+of REPEATS passes, taken in REPEATS rounds over the whole grid rather than back to back: a burst
+of interference (another process on a core for a second) then slows one pass of a point, not
+all of them. Timed back to back, a burst once took all three passes of SmolLM2's plain 8-sequence
+points (22 ms measured against 12 ms), so drafts there looked nearly free and the controller
+drafted at a loss at 8 concurrent requests (Spec-Bench 0.93-0.97x in five categories) until the
+cached calibration was thrown away. On a shared machine a point can still come out slow; the cost
+of a pass never falls when N, B or k grows, so a point slower than one of its larger neighbours
+is timed again (RETRIES rounds), and whatever still breaks the order is clipped to its
+neighbours' cost:
 
     (N, B, k) <= (N, B, k'), (N, B', k), (N', B, k)     for k' > k, B' > B, N' > N
 
@@ -41,11 +46,11 @@ from loom.loader.cache import CacheWriteError, atomic_write, cache_root, loom_ve
 
 log = logging.getLogger("loom")
 
-COST_FORMAT = 1
+COST_FORMAT = 2                   # 2: points timed in rounds over the grid (1's files may hold a burst)
 BATCHES = (1, 2, 4, 8, 16)
 DRAFTS = (0, 1, 2, 4, 8)          # draft nodes per sequence
 CONTEXTS = (64, 1024)             # context lengths (tokens in the cache), shortest first
-REPEATS = 3                       # passes per point; the fastest counts
+REPEATS = 3                       # rounds of passes over the grid; a point's fastest counts
 RETRIES = 3                       # rounds of re-timing the points that break the order
 
 Point = tuple[int, int, int]      # (context, batch, draft nodes per sequence)
@@ -96,7 +101,10 @@ def measure(time_forward: Callable[[list[ScheduledSeq]], float], grid: Grid, voc
 
     points = grid.points()
     time_forward(seqs(points[0]))      # the first pass pays one-time costs
-    times = {p: min(time_forward(seqs(p)) for _ in range(REPEATS)) for p in points}
+    times = {p: float("inf") for p in points}
+    for _ in range(REPEATS):           # rounds over the grid (see the module doc)
+        for p in points:
+            times[p] = min(times[p], time_forward(seqs(p)))
     for _ in range(RETRIES):
         slow = {p for p in points for q in grid.larger(p) if times[p] > times[q]}
         if not slow:
