@@ -246,7 +246,9 @@ def test_json_schema_outputs_validate_on_smollm2():
     prompts = ["Describe a person as JSON:", "A traveller, in JSON:", "Here is a JSON record:"]
     params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json": PERSON}),
               SamplingParams(max_tokens=80, temperature=0.9, seed=5, structured_outputs={"json": PERSON}),
-              SamplingParams(max_tokens=80, temperature=0.7, seed=2, structured_outputs={"json_object": True})]
+              # greedy: a sampled free-form object from a 135M model often runs past max_tokens
+              # (a digit run), and which seed closes its object changes with the kernels' last bits
+              SamplingParams(max_tokens=80, temperature=0, structured_outputs={"json_object": True})]
     outs = llm.generate(prompts, params)
     for out in outs[:2]:
         assert out.outputs[0].finish_reason == "stop"
