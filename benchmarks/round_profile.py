@@ -15,30 +15,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from draft_row_cost import Timed   # the kernel module with each call's time added to a dict by name
+
 from loom import kernels
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
-
-
-class Timed:
-    """The kernel module with every call's wall time added to `totals[phase][name]`."""
-
-    def __init__(self, module, totals):
-        self.module, self.totals, self.phase = module, totals, "prefill"
-
-    def __getattr__(self, name: str):
-        fn = getattr(self.module, name)
-        if not callable(fn):
-            return fn
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[self.phase][name] += time.perf_counter() - t0
-
-        return timed
 
 
 def prompts(tok, n: int, path: Path) -> list[list[int]]:
@@ -63,7 +44,7 @@ def main() -> None:
     module = kernels.load()
     if module is None:
         raise SystemExit(f"loom kernels unavailable: {kernels.unavailable_reason()}")
-    timed = kernels._module = Timed(module, totals)   # before the model binds the module
+    timed = kernels._module = Timed(module, totals["prefill"])   # before the model binds the module
     from loom import SamplingParams
     from loom.config import EngineConfig
     from loom.engine.engine import Engine
@@ -82,12 +63,13 @@ def main() -> None:
         out, t0 = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             sched = engine.scheduler
-            timed.phase = ("prefill" if sched.waiting or any(r.num_computed_tokens < len(r.all_token_ids) - 1
-                                                               for r in sched.running) else "decode")
+            phase = ("prefill" if sched.waiting or any(r.num_computed_tokens < len(r.all_token_ids) - 1
+                                                         for r in sched.running) else "decode")
+            timed.totals = totals[phase]
             t = time.perf_counter()
             outs = engine.step()
-            wall[timed.phase] += time.perf_counter() - t
-            steps[timed.phase] += 1
+            wall[phase] += time.perf_counter() - t
+            steps[phase] += 1
             out += sum(len(o.outputs[0].delta_token_ids) for o in outs)
         total = time.perf_counter() - t0
         print(f"repeat {rep + 1}: {out / total:.0f} output tok/s in {total:.2f} s")
