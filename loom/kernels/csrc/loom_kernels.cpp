@@ -13,11 +13,15 @@ struct Isa : Vec512 {
   template <int BITS, int ZL>
   static constexpr bool zero_path() { return true; }
 
+  // the codes as bytes only
+  template <int BITS, int MT, int Z>
+  static constexpr bool wide_codes() { return false; }
+
   // dot[i] = <codes of block wp - Z, activation row i> over one 32-group, one int32 per output
   // row (row i's 32 codes at xp + 8 i, their sum xs[i]): VPDPBUSD (u8 x s8 -> s32) covers 16
   // rows x 4 inputs, eight of them a group.
   template <int BITS, int MT, int Z>
-  LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* xp, const int32_t* xs, I* dot) {
+  LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* xp, const int16_t*, const int32_t* xs, I* dot) {
     I code[8];
     if constexpr (BITS == 4) {
       const I low = _mm512_set1_epi8(0x0F);

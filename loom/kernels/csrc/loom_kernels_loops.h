@@ -145,17 +145,20 @@ struct QuantActs {
   std::vector<int8_t> xq;    // [panels][G][P][32]
   std::vector<float> d, s;   // [panels][G][P]
   std::vector<int32_t> xs;   // [panels][G][P] sum of each group's int8 codes (AVX2's 8-bit dots, zero points)
+  std::vector<int16_t> xw;   // xq widened to int16, where the GEMM's dot products take them (V::wide_codes)
 };
 
+// wide: also the codes as int16 in qa.xw (the same layout), for dot products that take them
 template <class V>
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pre, const float* norm_w,
-                   float eps, QuantActs& qa) {
+                   float eps, QuantActs& qa, bool wide = false) {
   const int64_t P = qa.P = std::clamp<int64_t>(M, 1, V::MT_MAX);
   const int64_t G = K / GROUP, rows = (M + P - 1) / P * P;
   qa.xq.resize(rows * K);
   qa.d.resize(rows * G);
   qa.s.resize(rows * G);
   qa.xs.resize(rows * G);
+  if (wide) qa.xw.resize(rows * K);
   at::parallel_for(0, M, M < 16 ? M : 4, [&](int64_t m0, int64_t m1) {
     thread_local std::vector<float> tmp;
     tmp.resize(K);
@@ -163,6 +166,11 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pr
       const int64_t at = m / P * P * G + m % P;   // [panel][0][row]
       quantize_row<V>(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + at * GROUP, qa.d.data() + at,
                       qa.s.data() + at, qa.xs.data() + at, P);
+      if (wide)
+        for (int64_t g = 0; g < G; ++g) {
+          const int8_t* src = qa.xq.data() + (at + g * P) * GROUP;
+          std::copy(src, src + GROUP, qa.xw.data() + (at + g * P) * GROUP);
+        }
     }
   });
 }
@@ -205,9 +213,10 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   for (int i = 0; i < MT; ++i) acc[i] = V::zero();
   // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
   const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
+  const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + m0 * K : nullptr;
   const int32_t* xs = qa.xs.data() + m0 * G;
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
-  for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xs += P, d += P, s += P) {
+  for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
     if (h == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
       if (once)
@@ -216,7 +225,7 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
         for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
     }
     typename V::I dot[MT];
-    V::template dots<BITS, MT, Z>(wp, h, xq, xs, dot);   // row i's codes at xq + 8 i
+    V::template dots<BITS, MT, Z>(wp, h, xq, xw, xs, dot);   // row i's codes at xq + 8 i (xw + 32 i)
     const S* sc = (const S*)(wp + CODE_BYTES);
     const typename V::F av = V::load(sc + h * V::W);
     const typename V::F bv = Z > 0    ? V::zero()
@@ -268,7 +277,8 @@ template <class V, int BITS, typename S, int Z, int ZL>
 void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
           bool accumulate) {
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
-  const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / K / V::MT_MAX * V::MT_MAX);
+  const int64_t code_bytes = V::template wide_codes<BITS, V::MT_MAX, Z>() ? 2 : 1;   // int16 codes: half the rows
+  const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / (K * code_bytes) / V::MT_MAX * V::MT_MAX);
   const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
   // a few rows whose tiles read each weight block once: past the caches. Not on AVX2, whose tiles
   // read a block's two halves one after the other (streamed, its one-row step ran 0.91x). Taking
