@@ -15,9 +15,9 @@
 //                more activation rows a tile instead widens the codes q to 16 bits once (rows
 //                0-3 and 4-7 of the half) and takes each row's codes as int16: one VPMADDWD
 //                per 16 products, lanes (row, input pair) summed over the group, then paired
-//                by VPHADDD. No sign moves: the multiply pipes carry the VPMADDWD only, where
-//                the sign moves and VPMADDUBSW shared them (Zen 4, one core, 8 rows x 32
-//                inputs: 74 against 92 G products/s in a loop of only these instructions).
+//                by VPHADDD. As many instructions per product, but no sign moves, and the
+//                widening is shared by the tile's rows: the 8-bit output matrices at 32 rows
+//                ran 1.12-1.16x (Zen 4, one core, benchmarks/gemm_rate.py).
 // All are exact, so the results equal the AVX-512 variant's integer dot products.
 
 #include <cstring>
