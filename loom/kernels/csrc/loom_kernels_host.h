@@ -68,21 +68,18 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
     TORCH_CHECK(norm_w.has_value() && norm_w->numel() == K && norm_w->is_contiguous(), "norm weight [K] needed");
     nw = norm_w->data_ptr<float>();
   }
-  bool wide = false;   // whether the tiles' dot products take the codes widened to int16
-  with_layout(bits, scales16, zero, [&](auto b, auto, auto zl) {
-    constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = Isa::template zero_path<BITS, ZL>() ? ZL : 0;
-    wide = M > 1 && Isa::template wide_codes<BITS, Isa::MT_MAX, Z>();
-  });
-  thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
-  quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide);
   const int64_t blocks = (N + ROWS - 1) / ROWS * (K / GROUP);
   TORCH_CHECK(w.numel() == blocks * packed_block_bytes(bits, scales16 ? 2 : 4, zero),
               "packed weights do not match N, K, bits, zero");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = y.stride(0);
+  thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
   with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
     constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = Isa::template zero_path<BITS, ZL>() ? ZL : 0;
+    // wide: the tiles' dot products take the codes widened to int16 as well
+    const bool wide = M > 1 && Isa::template wide_codes<BITS, Isa::MT_MAX, Z>();
+    quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide);
     gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate);
   });
   return y;
