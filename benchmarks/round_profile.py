@@ -10,7 +10,6 @@ time, and per phase the time in each loom kernel and outside them (Python, torch
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -18,18 +17,14 @@ from pathlib import Path
 from draft_row_cost import Timed   # the kernel module with each call's time added to a dict by name
 
 from loom import kernels
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+from loom.bench.load import LoadSettings
+from loom.bench.prompts import SPEC_BENCH_PATH, load_spec_bench
 
 
 def prompts(tok, n: int, path: Path) -> list[list[int]]:
-    by_cat: dict[str, list[str]] = defaultdict(list)
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            by_cat[row["category"]].append(row["turns"][0][:1000])
-    cats = list(by_cat)
-    return [tok.encode(by_cat[cats[i % len(cats)]][i // len(cats)]) for i in range(n)]
+    """The server benchmark's first n prompts, cut as it cuts them, as token ids."""
+    texts = load_spec_bench(path)
+    return [tok.encode(texts[i % len(texts)][:LoadSettings.prompt_chars]) for i in range(n)]
 
 
 def main() -> None:
@@ -38,7 +33,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--prompts", type=Path, default=SHARED)
+    ap.add_argument("--prompts", type=Path, default=SPEC_BENCH_PATH)
     args = ap.parse_args()
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     module = kernels.load()
