@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,11 @@ from pathlib import Path
 
 import httpx
 
+from loom.bench.server_peers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ["astronomy", "cooking", "tax law", "gardening", "chess", "marine biology", "jazz history", "woodworking",
           "cryptography", "mountaineering", "beekeeping", "typography"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def system_prompt(topic: str, words: int) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loom.bench.server_peers import free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LoomServer:

@@ -9,7 +9,6 @@ is stopped with SIGINT once ready.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,14 +18,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from loom.bench.server_peers import free_port
+
 SERVE_START_TIMEOUT_S = 300.0
 _POLL_S = 0.02
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(url: str) -> bool:
@@ -40,7 +35,7 @@ def _ready(url: str) -> bool:
 def measure_serve_start(model_path: Path, threads: int, env: dict[str, str], dtype: str | None = None,
                         num_blocks: int = 256) -> dict[str, Any]:
     """{"serve_start_seconds": s} or {"serve_start_error": why}."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "loom", "serve", str(model_path), "--port", str(port), "--threads", str(threads),
            "--num-blocks", str(num_blocks), "--no-access-log", "--log-level", "warning"]
     if dtype:

@@ -18,6 +18,7 @@ group. Kinds:
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -157,7 +158,34 @@ def parse_server_peers(text: str) -> list[ServerKind]:
     return kinds
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORT_FLOOR = 10000
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free to listen on now, drawn below the kernel's ephemeral range.
+
+    Port 0 would hand out an ephemeral port, the range every outgoing connection also draws
+    from, so a process started later (Ray's workers, a peer's clients) can take it before the
+    server binds it. Ports below the range are only taken by listeners that ask for them.
+    """
+    top = _ephemeral_start()
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(_PORT_FLOOR, max(top, _PORT_FLOOR + 1))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
