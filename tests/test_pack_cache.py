@@ -244,10 +244,11 @@ def test_embedding_rows_equal_the_dequantized_table(tmp_path, qtype):
 # -- the tokenizer's derived merges ------------------------------------------------------------------------
 
 
-def test_derived_merges_are_cached_and_a_bad_file_is_derived_again(cache_dir, tiny_gemma3_path):
+def test_derived_merges_are_cached_and_a_bad_file_is_derived_again(cache_dir, tmp_path):
+    import tiny_gguf
     from loom.loader.tokenizer import Tokenizer
 
-    f = GGUFFile.open(tiny_gemma3_path)
+    f = GGUFFile.open(tiny_gguf.write_tiny_llama(tmp_path / "tiny-spm.gguf", vocab="spm"))   # scores, no merges
     cold = Tokenizer.from_gguf(f)
     [path] = (cache_dir / "tokenizers").glob("*.merges.npy")
     assert np.load(path).shape[1] == 2
@@ -257,3 +258,29 @@ def test_derived_merges_are_cached_and_a_bad_file_is_derived_again(cache_dir, ti
     again = Tokenizer.from_gguf(f)
     assert again._backend.to_str() == cold._backend.to_str()
     assert np.load(path).shape[1] == 2, "the bad file is replaced"
+
+
+def test_gemma_vocabulary_proto_is_cached_and_a_bad_file_is_built_again(cache_dir, tiny_gemma3_path):
+    from loom.loader.tokenizer import Tokenizer
+
+    f = GGUFFile.open(tiny_gemma3_path)
+    texts = ["Hello world", "a" + " " * 20 + "b", "<start_of_turn>user\nhi<end_of_turn>", "日本語 🤗"]
+    cold = Tokenizer.from_gguf(f)
+    want = [cold.encode(t) for t in texts]
+    [path] = (cache_dir / "tokenizers").glob("*.spm")
+    proto = path.read_bytes()
+    assert Tokenizer.from_gguf(f).encode_batch(texts) == want
+    for bad in (b"not a proto", proto[: len(proto) // 2]):
+        path.write_bytes(bad)
+        assert Tokenizer.from_gguf(f).encode_batch(texts) == want
+        assert path.read_bytes() == proto, "the bad file is replaced"
+
+
+def test_gemma_vocabulary_loads_with_an_unwritable_cache(cache_dir, tiny_gemma3_path):
+    from loom.loader.tokenizer import Tokenizer
+
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "tokenizers").write_text("a file where the cache directory should be")
+    for _ in range(2):
+        tok = Tokenizer.from_gguf(GGUFFile.open(tiny_gemma3_path))
+        assert tok.decode(tok.encode("Hello world", add_special_tokens=False)) == "Hello world"

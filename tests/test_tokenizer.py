@@ -79,6 +79,10 @@ HARD_CASES = [
     "Text then <|im_end|><|im_end|>twice",
     "control chars \x00\x01\x1b[0m\x7f",
     "▁already▁metaspace▁",
+    # Gemma's user-defined tokens (HTML tags, "[multimodal]") and spelled byte / unknown pieces
+    "<table><tr><td>cell</td></tr></table> <b>bold</b><i></i> [multimodal]<h1>x</h1>",
+    "<unk> <0x0A> <0xFF> <start_of_turn<end_of_turn> <start_of_image>",
+    "x" + " " * 70 + "y" + " " * 31 + "z" + " " * 33,
 ]
 
 

@@ -1,4 +1,5 @@
-"""The tokenizer a GGUF file describes, rebuilt as a `tokenizers.Tokenizer`.
+"""The tokenizer a GGUF file describes, rebuilt as a `tokenizers.Tokenizer` (Gemma's vocabulary
+as a `sentencepiece` model behind the same interface: `loom.loader.sentencepiece_backend`).
 
 A GGUF file stores its vocabulary under llama.cpp's keys (``tokenizer.ggml.*``): the token
 strings, a type per token, merges (byte-level BPE) or scores (SentencePiece), the special token
@@ -11,7 +12,9 @@ is the reference the tests check against):
 * ``tokenizer.ggml.model == "llama"``: SentencePiece pieces as a BPE with byte fallback; the
   merges are the file's, or derived from the vocabulary best-scoring first. Llama-style files
   get a "▁" prefix on the first word; Gemma files get Gemma's layout: no prefix space, spaces
-  spelled "▁" by a normalizer, merge order = file order.
+  spelled "▁" by a normalizer, merge order = file order. A Gemma file without merges loads
+  as a SentencePiece model whose piece scores follow the file order, with the same ids: building
+  its 515k merges for `tokenizers` took 1.0 s of a 1.3 s load, the model 0.05 s.
 
 Where transformers and llama.cpp read a file differently (see the notes at
 `PRE_TOKENIZER_SPLITS` and `_sentencepiece_backend`), loom follows transformers.
@@ -43,6 +46,7 @@ from loom.errors import ModelLoadError, TokenizerError
 from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
 from loom.loader.chat_template import ChatTemplate
 from loom.loader.gguf import GGUFFile
+from loom.loader.sentencepiece_backend import SentencePieceBackend, cached_gemma_backend
 
 # Token type codes of `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -223,9 +227,9 @@ class Tokenizer:
                 backend, spelled = _byte_level_backend(f, tokens)
             elif kind == "llama":
                 layout = "gemma" if arch in _GEMMA_ARCHS else "phi3" if arch == "phi3" else "llama"
-                backend, spelled = _sentencepiece_backend(f, tokens, layout)
+                backend, spelled = _sentencepiece_backend(f, tokens, types, layout)
             elif kind == "gemma4":
-                backend, spelled = _sentencepiece_backend(f, tokens, "gemma4")
+                backend, spelled = _sentencepiece_backend(f, tokens, types, "gemma4")
             else:
                 raise ModelLoadError(f.path, f"unsupported tokenizer type {kind!r} (loom reads 'gpt2' byte-level "
                                              "BPE and 'llama' SentencePiece vocabularies)")
@@ -371,8 +375,10 @@ def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> tuple[_Backend, list[
     return backend, spelled
 
 
-def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple[_Backend, list[str]]:
-    """SentencePiece pieces as a BPE with byte fallback (``<0xNN>`` tokens).
+def _sentencepiece_backend(f: GGUFFile, tokens: list[str], types: np.ndarray,
+                           layout: str) -> tuple[_Backend | SentencePieceBackend, list[str]]:
+    """SentencePiece pieces as a BPE with byte fallback (``<0xNN>`` tokens); Gemma's vocabulary
+    without merges on the sentencepiece library instead (`loom.loader.sentencepiece_backend`).
 
     `layout` is how the model turns text into pieces and back (as transformers does it):
     ``"llama"`` prepends "▁" to the first word and strips it when decoding; ``"phi3"`` does
@@ -387,19 +393,21 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], layout: str) -> tuple
         # spaces already turned into "▁"; spell them that way so they can match.
         spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     file_merges = md.get("tokenizer.ggml.merges")
+    unk_id = md.get("tokenizer.ggml.unknown_token_id")
+    unk_id = int(unk_id) if unk_id is not None and 0 <= int(unk_id) < n else None
     if isinstance(file_merges, list) and file_merges:
         merges = [tuple(m.split(" ")) for m in file_merges]
     elif layout == "gemma":
         # Gemma's scores do not follow its merge order; the order of tokens in the file does.
-        merges = _cached_merges(f, spelled, -np.arange(n, dtype=np.float64), layout)
+        whole = [a == b for a, b in zip(tokens, spelled)]
+        return cached_gemma_backend(f.path, spelled, types, whole, unk_id), spelled
     else:
         scores = md.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != n:
             raise ModelLoadError(f.path, "SentencePiece vocabulary with neither merges nor one "
                                          "'tokenizer.ggml.scores' entry per token")
         merges = _cached_merges(f, spelled, np.asarray(scores, dtype=np.float64), layout)
-    unk_id = md.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if layout in ("gemma", "gemma4") and unk_id is not None and 0 <= int(unk_id) < n else None
+    unk = tokens[unk_id] if layout in ("gemma", "gemma4") and unk_id is not None else None
     try:
         model = BPE(vocab=dict(zip(spelled, range(n))), merges=merges, dropout=None, unk_token=unk,
                     fuse_unk=True, byte_fallback=True)
