@@ -112,14 +112,19 @@ class SentencePieceBackend:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Ids past the vocabulary are ignored; a negative id raises OverflowError (as the
         `tokenizers` backend does)."""
+        ids = list(ids)
+        if not ids:
+            return ""
+        if min(ids) < 0:
+            raise OverflowError(f"negative token id {min(ids)}")
+        if max(ids) >= self._n:
+            ids = [i for i in ids if i < self._n]
+        special = self._special_text
+        if special.keys().isdisjoint(ids):   # the common case: one call into the library
+            return self._sp.decode(ids)
         out: list[str] = []
         run: list[int] = []
-        special = self._special_text
         for i in ids:
-            if i < 0:
-                raise OverflowError(f"negative token id {i}")
-            if i >= self._n:
-                continue
             text = special.get(i)
             if text is None:
                 run.append(i)
