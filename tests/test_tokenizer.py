@@ -456,6 +456,30 @@ def test_tiny_vocabularies_match_transformers(kind: str, tmp_path: Path, tiny_ll
     _check_stream(tok, TINY_TEXTS, lambda: 1)
 
 
+def test_gemma_vocabulary_sentencepiece_refuses_is_built_as_bpe(tiny_gemma3_path: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Gemma vocabulary without its 256 byte pieces cannot be a SentencePiece model with byte
+    fallback: it loads as the `tokenizers` BPE instead, with the same ids for text it covers."""
+    import numpy as np
+    import tiny_gguf
+    from tokenizers import Tokenizer as Bpe
+
+    f = GGUFFile.open(tiny_gemma3_path)
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "first"))
+    sp = Tokenizer.from_gguf(f)
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "second"))   # the same file: no cached proto
+    md = dict(f.metadata)
+    types = np.asarray(md["tokenizer.ggml.token_type"]).copy()
+    types[types == 6] = 1                                      # BYTE -> NORMAL
+    md["tokenizer.ggml.token_type"] = types
+    f.metadata = md
+    bpe = Tokenizer.from_gguf(f)
+    assert isinstance(bpe._backend, Bpe) and not isinstance(sp._backend, Bpe)
+    texts = [tiny_gguf._CORPUS[i:i + 120] for i in range(0, 1200, 120)] + ["<start_of_turn>user\nhi<end_of_turn>"]
+    assert bpe.encode_batch(texts) == sp.encode_batch(texts)
+    assert [bpe.decode(ids) for ids in sp.encode_batch(texts)] == [sp.decode(ids) for ids in sp.encode_batch(texts)]
+
+
 def test_unsupported_vocabulary_is_a_clear_error(tmp_path: Path) -> None:
     from loom.errors import ModelLoadError
 

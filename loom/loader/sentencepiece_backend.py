@@ -36,9 +36,8 @@ from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
 
-SPIECE_SPACE = "\u2581"
-# llama.cpp's token types (tokenizer.ggml.token_type) -> SentencePiece's piece types
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+# llama.cpp's token types (tokenizer.ggml.token_type) that keep their kind in the proto
+_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6
 _PIECE = spm_pb2.ModelProto.SentencePiece
 
 
@@ -167,9 +166,11 @@ def gemma_proto(spelled: Sequence[str], types: np.ndarray, whole: Sequence[bool]
 
 
 def cached_gemma_backend(path, spelled: Sequence[str], types: np.ndarray, whole: Sequence[bool],
-                         unk_id: int | None) -> SentencePieceBackend:
+                         unk_id: int | None) -> SentencePieceBackend | None:
     """The backend from the proto in loom's cache (keyed by the file's content and this code),
-    built and cached when missing; a cached proto that does not load is built again."""
+    built and cached when missing; a cached proto that does not load is built again. None where
+    the library refuses the vocabulary (no 256 byte pieces for its byte fallback, a piece spelled
+    twice): the caller builds the `tokenizers` BPE instead."""
     key = source_digest(__file__) + loom_version()
     name = f"{file_sha256(path)[:24]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.spm"
     target = cache_root() / "tokenizers" / name
@@ -180,7 +181,10 @@ def cached_gemma_backend(path, spelled: Sequence[str], types: np.ndarray, whole:
     except (OSError, RuntimeError):
         pass
     proto = gemma_proto(spelled, types, whole, unk_id)
-    backend = SentencePieceBackend(proto, len(spelled))
+    try:
+        backend = SentencePieceBackend(proto, len(spelled))
+    except RuntimeError:
+        return None
     try:
         atomic_write(target, lambda out: out.write(proto))
     except CacheWriteError:

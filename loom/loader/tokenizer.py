@@ -124,7 +124,7 @@ def byte_to_unicode() -> dict[int, str]:
 @contextmanager
 def _collector_paused():
     """Python's cyclic collector off while a vocabulary's merges are built: half a million
-    tuples (Gemma 3), none in a cycle, and each collection pass would walk the ones made so far
+    tuples for a 262k vocabulary, none in a cycle, and each collection pass would walk the ones made so far
     again (0.1 s of Gemma 3's load)."""
     enabled = gc.isenabled()
     gc.disable()
@@ -400,7 +400,10 @@ def _sentencepiece_backend(f: GGUFFile, tokens: list[str], types: np.ndarray,
     elif layout == "gemma":
         # Gemma's scores do not follow its merge order; the order of tokens in the file does.
         whole = [a == b for a, b in zip(tokens, spelled)]
-        return cached_gemma_backend(f.path, spelled, types, whole, unk_id), spelled
+        backend = cached_gemma_backend(f.path, spelled, types, whole, unk_id)
+        if backend is not None:
+            return backend, spelled
+        merges = _cached_merges(f, spelled, -np.arange(n, dtype=np.float64), layout)
     else:
         scores = md.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != n:
