@@ -480,6 +480,25 @@ def test_gemma_vocabulary_sentencepiece_refuses_is_built_as_bpe(tiny_gemma3_path
     assert [bpe.decode(ids) for ids in sp.encode_batch(texts)] == [sp.decode(ids) for ids in sp.encode_batch(texts)]
 
 
+@pytest.mark.parametrize("words", [
+    ["<a>", "<ab>", "<abc>", "<start_of_turn>", "<start>", "[multimodal]"],
+    ["<a>", "<ab>", "<abc>", "<" + "x" * 3000 + ">"],                 # one long token: a literal run
+    ["<a>", "<ab>", "<abc>"] + ["<" + "y" * k + ">" for k in range(1, 700)],   # too deep for a trie
+])
+def test_special_tokens_are_found_leftmost_longest(words: list[str]) -> None:
+    from loom.loader.sentencepiece_backend import _special_regex
+
+    pattern = _special_regex(words)
+    text = "q<a><ab><abc><abcd> <start_of_turn><start>[multimodal]<" + "x" * 3000 + "><yyy>" + "y>"
+    i, want = 0, []
+    while i < len(text):   # the longest word at each position, scanning on after it
+        hit = max((w for w in words if text.startswith(w, i)), key=len, default=None)
+        if hit:
+            want.append((i, hit))
+        i += len(hit) if hit else 1
+    assert [(m.start(), m.group()) for m in pattern.finditer(text)] == want
+
+
 def test_unsupported_vocabulary_is_a_clear_error(tmp_path: Path) -> None:
     from loom.errors import ModelLoadError
 

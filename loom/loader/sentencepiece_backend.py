@@ -58,12 +58,29 @@ def _trie_pattern(words: Iterable[str]) -> str:
         node[""] = {}
 
     def emit(node: dict) -> str:
-        branches = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        branches = []
+        for ch, child in sorted(node.items()):
+            if not ch:
+                continue
+            run = re.escape(ch)
+            while len(child) == 1 and "" not in child:   # a chain without a branch: one literal
+                (ch, child), = child.items()
+                run += re.escape(ch)
+            branches.append(run + emit(child))
         if not branches:
             return ""
         body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
         return "(?:" + body + ")?" if "" in node else body   # greedy: the longer word first
     return emit(trie)
+
+
+def _special_regex(words: Sequence[str]) -> re.Pattern:
+    """`_trie_pattern`'s regex; where the trie nests too deep for Python's regex compiler, the
+    plain alternation, longest words first (the same matches, one try per word)."""
+    try:
+        return re.compile(_trie_pattern(words))
+    except (RecursionError, re.error, OverflowError):
+        return re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
 
 
 class SentencePieceBackend:
@@ -84,7 +101,7 @@ class SentencePieceBackend:
             if i is not None:
                 self._special_text[i] = t.content
         words = sorted(set(self._special_text.values()))
-        self._split = re.compile(_trie_pattern(words)) if words else None
+        self._split = _special_regex(words) if words else None
         return len(tokens)
 
     def add_tokens(self, tokens: Sequence) -> int:
