@@ -17,9 +17,13 @@ struct Isa : Vec512 {
   template <int BITS, int MT, int Z>
   static constexpr bool wide_codes() { return false; }
 
+  // with a zero point Z, dots gets -Z sum(xq) per row and group (QuantActs::zx) in place of the
+  // sums: a broadcast from memory starts each sum, not a multiply and a move from an integer register
+  static constexpr bool zero_terms = true;
+
   // dot[i] = <codes of block wp - Z, activation row i> over one 32-group, one int32 per output
-  // row (row i's 32 codes at xp + 8 i, their sum xs[i]): VPDPBUSD (u8 x s8 -> s32) covers 16
-  // rows x 4 inputs, eight of them a group.
+  // row (row i's 32 codes at xp + 8 i; with Z, xs[i] = -Z times their sum): VPDPBUSD (u8 x s8
+  // -> s32) covers 16 rows x 4 inputs, eight of them a group.
   template <int BITS, int MT, int Z>
   LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* xp, const int16_t*, const int32_t* xs, I* dot) {
     I code[8];
@@ -34,7 +38,7 @@ struct Isa : Vec512 {
       for (int c = 0; c < 8; ++c) code[c] = _mm512_loadu_si512(wp + c * 64);
     }
     for (int i = 0; i < MT; ++i) {
-      const I init = Z ? _mm512_set1_epi32(-Z * xs[i]) : _mm512_setzero_si512();   // the zero point's term
+      const I init = Z ? _mm512_set1_epi32(xs[i]) : _mm512_setzero_si512();   // the zero point's term, -Z sum(xq)
       if constexpr (MT >= 4) {   // one chain per row: the rows' chains hide each other's latency
         I s = init;
         for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, code[c], _mm512_set1_epi32(xp[8 * i + c]));

@@ -34,6 +34,9 @@ struct Isa : Vec256 {
   template <int BITS, int ZL>
   static constexpr bool zero_path() { return BITS == 4 || ZL == 16; }
 
+  // dots takes the code sums themselves and multiplies by the zero point
+  static constexpr bool zero_terms = false;
+
   // whether dots takes the activation codes widened to int16 (QuantActs::xw)
   template <int BITS, int MT, int Z>
   static constexpr bool wide_codes() { return BITS == 8 && Z == 0 && MT >= 2; }

@@ -145,6 +145,7 @@ struct QuantActs {
   std::vector<int8_t> xq;    // [panels][G][P][32]
   std::vector<float> d, s;   // [panels][G][P]
   std::vector<int32_t> xs;   // [panels][G][P] sum of each group's int8 codes (AVX2's 8-bit dots, zero points)
+  std::vector<int32_t> zx;   // [panels][G][P] -Z xs: where a dot product with zero point Z starts (V::zero_terms)
   std::vector<int16_t> xw;   // xq widened to int16, where the GEMM's dot products take them (V::wide_codes)
 };
 
@@ -214,7 +215,7 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
   const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
   const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + m0 * K : nullptr;
-  const int32_t* xs = qa.xs.data() + m0 * G;
+  const int32_t* xs = (V::zero_terms && Z > 0 ? qa.zx.data() : qa.xs.data()) + m0 * G;
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
   for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
