@@ -17,13 +17,10 @@ struct Isa : Vec512 {
   template <int BITS, int MT, int Z>
   static constexpr bool wide_codes() { return false; }
 
-  // with a zero point Z, dots gets -Z sum(xq) per row and group (QuantActs::zx) in place of the
-  // sums: a broadcast from memory starts each sum, not a multiply and a move from an integer register
-  static constexpr bool zero_terms = true;
-
   // dot[i] = <codes of block wp - Z, activation row i> over one 32-group, one int32 per output
   // row (row i's 32 codes at xp + 8 i; with Z, xs[i] = -Z times their sum): VPDPBUSD (u8 x s8
-  // -> s32) covers 16 rows x 4 inputs, eight of them a group.
+  // -> s32) covers 16 rows x 4 inputs, eight of them a group. Each row's sum starts at xs[i],
+  // broadcast from memory (not a multiply and a move from an integer register in every tile).
   template <int BITS, int MT, int Z>
   LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* xp, const int16_t*, const int32_t* xs, I* dot) {
     I code[8];

@@ -34,15 +34,12 @@ struct Isa : Vec256 {
   template <int BITS, int ZL>
   static constexpr bool zero_path() { return BITS == 4 || ZL == 16; }
 
-  // dots takes the code sums themselves and multiplies by the zero point
-  static constexpr bool zero_terms = false;
-
   // whether dots takes the activation codes widened to int16 (QuantActs::xw)
   template <int BITS, int MT, int Z>
   static constexpr bool wide_codes() { return BITS == 8 && Z == 0 && MT >= 2; }
 
   // dot[i] = <codes of rows 8h .. 8h+7 of block wp - Z, activation row i> over one 32-group, one
-  // int32 per row (row i's 32 codes at xp + 8 i, their sum xs[i])
+  // int32 per row (row i's 32 codes at xp + 8 i; their sum xs[i], with Z: -Z times it)
   template <int BITS, int MT, int Z>
   LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* xp, const int16_t* xw, const int32_t* xs,
                                I* dot) {
@@ -71,7 +68,7 @@ struct Isa : Vec256 {
         // 4-bit: s0 + s1 still fits int16; 5-bit: each of them only
         dot[i] = BITS == 4 ? _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones)
                            : _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
-        if constexpr (Z != 0) dot[i] = _mm256_sub_epi32(dot[i], _mm256_set1_epi32(Z * xs[i]));
+        if constexpr (Z != 0) dot[i] = _mm256_add_epi32(dot[i], _mm256_set1_epi32(xs[i]));   // -Z sum(xq)
       }
     } else if constexpr (wide_codes<BITS, MT, Z>()) {
       // chunk c: rows 0-3 and 4-7 of the half, 4 inputs each, as 16 u16 lanes apiece; row i's

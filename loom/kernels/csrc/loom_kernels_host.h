@@ -79,11 +79,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
     constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = Isa::template zero_path<BITS, ZL>() ? ZL : 0;
     // wide: the tiles' dot products take the codes widened to int16 as well
     const bool wide = M > 1 && Isa::template wide_codes<BITS, Isa::MT_MAX, Z>();
-    quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide);
-    if constexpr (Isa::zero_terms && Z > 0) {
-      qa.zx.resize(qa.xs.size());
-      for (size_t i = 0; i < qa.xs.size(); ++i) qa.zx[i] = -Z * qa.xs[i];
-    }
+    quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide, Z);
     gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate);
   });
   return y;

@@ -101,11 +101,11 @@ inline typename V::F tree_sum(const typename V::F* v) {
 }
 
 // One row: src (K floats, or 2K for the gated pre-ops) -> per 32-group g: int8 codes at
-// xq + g * step * GROUP, d[g * step], s[g * step] and the integer code sum xs[g * step] (the
-// panel layout of QuantActs: step = its rows per panel).
+// xq + g * step * GROUP, d[g * step], s[g * step] and the integer code sum times -zero at
+// xs[g * step] (the panel layout of QuantActs: step = its rows per panel).
 template <class V>
 void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w, float eps,
-                  float* tmp, int8_t* xq, float* d, float* s, int32_t* xs, int64_t step) {
+                  float* tmp, int8_t* xq, float* d, float* s, int32_t* xs, int64_t step, int zero) {
   using F = typename V::F;
   constexpr int NG = GROUP / V::W;
   const float* x = src;
@@ -130,7 +130,7 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
     const F inv = V::set1(dg > 0.0f ? 1.0f / dg : 0.0f);
     for (int j = 0; j < NG; ++j) scaled[j] = V::mul(v[j], inv);
     const int32_t code_sum = V::store_s8(xq + g * step * GROUP, scaled);
-    xs[g * step] = code_sum;
+    xs[g * step] = zero ? -zero * code_sum : code_sum;
     d[g * step] = dg;
     s[g * step] = dg * (float)code_sum;   // the sum of what was quantized
   }
@@ -144,15 +144,17 @@ struct QuantActs {
   int64_t P = 1;
   std::vector<int8_t> xq;    // [panels][G][P][32]
   std::vector<float> d, s;   // [panels][G][P]
-  std::vector<int32_t> xs;   // [panels][G][P] sum of each group's int8 codes (AVX2's 8-bit dots, zero points)
-  std::vector<int32_t> zx;   // [panels][G][P] -Z xs: where a dot product with zero point Z starts (V::zero_terms)
+  // [panels][G][P] sum of each group's int8 codes (AVX2's 8-bit dots); for a GEMM with zero point
+  // Z, -Z times it: where each dot product starts, read from memory
+  std::vector<int32_t> xs;
   std::vector<int16_t> xw;   // xq widened to int16, where the GEMM's dot products take them (V::wide_codes)
 };
 
-// wide: also the codes as int16 in qa.xw (the same layout), for dot products that take them
+// wide: also the codes as int16 in qa.xw (the same layout), for dot products that take them;
+// zero: the GEMM's zero point Z (QuantActs::xs)
 template <class V>
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pre, const float* norm_w,
-                   float eps, QuantActs& qa, bool wide = false) {
+                   float eps, QuantActs& qa, bool wide = false, int zero = 0) {
   const int64_t P = qa.P = std::clamp<int64_t>(M, 1, V::MT_MAX);
   const int64_t G = K / GROUP, rows = (M + P - 1) / P * P;
   qa.xq.resize(rows * K);
@@ -166,7 +168,7 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pr
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t at = m / P * P * G + m % P;   // [panel][0][row]
       quantize_row<V>(x + m * ldx, K, pre, norm_w, eps, tmp.data(), qa.xq.data() + at * GROUP, qa.d.data() + at,
-                      qa.s.data() + at, qa.xs.data() + at, P);
+                      qa.s.data() + at, qa.xs.data() + at, P, zero);
       if (wide)
         for (int64_t g = 0; g < G; ++g) {
           const int8_t* src = qa.xq.data() + (at + g * P) * GROUP;
@@ -215,7 +217,7 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
   const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
   const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + m0 * K : nullptr;
-  const int32_t* xs = (V::zero_terms && Z > 0 ? qa.zx.data() : qa.xs.data()) + m0 * G;
+  const int32_t* xs = qa.xs.data() + m0 * G;
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
   for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
