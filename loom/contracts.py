@@ -126,12 +126,18 @@ class TokenLogprobs:
     rank: int | None = None              # the token's rank (1 = most probable), where computed
 
 
+# Why a request ended with no token to sample (RunnerOutput.dead_ends: its stop_reason).
+GRAMMAR_DEAD_END = "grammar admits no token"
+NO_ALLOWED_TOKEN = "no allowed token is left to sample"
+
+
 @dataclass(frozen=True)
 class RunnerOutput:
     sampled: dict[str, list[int]]                        # req_id -> new tokens
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     drafts: dict[str, DraftTree] = field(default_factory=dict)  # req_id -> draft for its next step
-    dead_ends: list[str] = field(default_factory=list)  # grammar admits no token of the vocabulary: ended
+    # req_id -> why it ends with no token to sample (its grammar admits none of the vocabulary, ...)
+    dead_ends: dict[str, str] = field(default_factory=dict)
     # req_id -> logprobs of prompt tokens 1.. computed this step, in order (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     kv_keep: dict[str, list[int]] = field(default_factory=dict)  # req_id -> KV indices to keep (SnapKV)

@@ -6,7 +6,8 @@ allowed, so the server can hand it back to the client as a 400.
 
 After construction the fields are normalised:
 
-* `stop` and `stop_token_ids` are always tuples (empty when not given);
+* `stop`, `stop_token_ids`, `allowed_token_ids` and `bad_words` are tuples (`stop` and
+  `stop_token_ids` empty when not given), `logit_bias` a dict of int ids to floats;
 * integral floats are stored as `float`, so `temperature=1` reads back as `1.0`.
 
 The dataclass is not frozen, but assigning to a field bypasses validation; derive a
@@ -30,6 +31,8 @@ from loom.eviction_params import KVEvictionParams
 GREEDY_TEMPERATURE_EPS = 1e-5
 # The most top alternatives a request may ask logprobs for.
 MAX_LOGPROBS = 20
+# The range of a logit bias (OpenAI's).
+MAX_LOGIT_BIAS = 100.0
 # The range `torch.Generator.manual_seed` accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -166,8 +169,15 @@ class SamplingParams:
     logprobs: None returns no logprobs; k >= 0 returns the chosen token's logprob and
         the k most probable alternatives (at most 20).
     skip_special_tokens: leave special tokens out of the detokenized text.
-    spaces_between_special_tokens: put spaces between adjacent special tokens in the text.
     structured_outputs: a constraint on the output (`StructuredOutputsParams`, or a dict of it).
+    logit_bias: {token id: bias in [-100, 100]} added to those logits before sampling (after
+        the logprobs, which stay the model's own), -100 all but bans a token.
+    allowed_token_ids: only these ids may be sampled (a non-empty list).
+    bad_words: strings never generated: the last token of a word is banned wherever the output
+        ends with the tokens before it (each word as it tokenizes alone and after a space, as
+        vLLM does; the engine tokenizes them into `bad_words_token_ids`).
+    bad_words_token_ids: the token sequences `bad_words` ban; set by the engine from `bad_words`
+        (given directly, these sequences are banned as well).
     prompt_logprobs: None, or k >= 0: the logprob of every prompt token after the first (given
         the tokens before it) and its k most probable alternatives (at most 20). The prompt is
         then computed in full (no prefix-cache hit), chunk by chunk; not with n > 1 or best_of.
@@ -196,8 +206,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
     kv_eviction: KVEvictionParams | None = None
 
     def __post_init__(self) -> None:
@@ -252,10 +265,10 @@ class SamplingParams:
             if not 0 <= _int("logprobs", self.logprobs, allowed) <= MAX_LOGPROBS:
                 raise _fail("logprobs", self.logprobs, allowed)
 
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _flag(name, getattr(self, name))
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
+        self._check_token_controls()
         if self.prompt_logprobs is not None:
             allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
             if not 0 <= _int("prompt_logprobs", self.prompt_logprobs, allowed) <= MAX_LOGPROBS:
@@ -273,6 +286,46 @@ class SamplingParams:
         if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
             # a grammar ends where it ends: past its end only a stop token is allowed
             raise InvalidRequestError("structured_outputs cannot be combined with ignore_eos or min_tokens > 0")
+
+    def _check_token_controls(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words and their token ids, normalised."""
+        if self.logit_bias is not None:
+            allowed = (f"None or a dict of token ids (integers >= 0) to numbers in "
+                       f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            if not isinstance(self.logit_bias, dict):
+                raise _fail("logit_bias", self.logit_bias, allowed)
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise _fail("logit_bias", self.logit_bias, allowed)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= MAX_LOGIT_BIAS:
+                    raise _fail("logit_bias", self.logit_bias, allowed)
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            allowed = "None or a non-empty list of integers >= 0"
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise _fail("allowed_token_ids", ids, allowed)
+            self.allowed_token_ids = tuple(sorted(set(ids)))
+        if self.bad_words is not None:
+            allowed = "None or a list of non-empty strings"
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise _fail("bad_words", words, allowed)
+            self.bad_words = tuple(words) or None
+        if self.bad_words_token_ids is not None:
+            allowed = "None or a list of non-empty lists of integers >= 0"
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, (list, tuple)) or not all(
+                    isinstance(q, (list, tuple)) and q and all(_is_int(t) and t >= 0 for t in q) for q in seqs):
+                raise _fail("bad_words_token_ids", seqs, allowed)
+            self.bad_words_token_ids = tuple(tuple(q) for q in seqs) or None
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """True when logit_bias, allowed_token_ids or bad words change what may be sampled."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.bad_words_token_ids)
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

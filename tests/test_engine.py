@@ -389,6 +389,9 @@ def test_invalid_requests_are_refused_at_add_request(make_tiny):
         ([1, -1], SamplingParams(), "token ids"),
         (3.5, SamplingParams(), "prompt must be"),
         ({"text": "hi"}, SamplingParams(), "prompt_token_ids"),
+        ({"prompt_token_ids": "hi"}, SamplingParams(), "prompt_token_ids must be a list"),
+        ({"prompt_token_ids": [1, 2.5]}, SamplingParams(), "prompt_token_ids must be a list"),
+        ({"prompt_token_ids": 7}, SamplingParams(), "prompt_token_ids must be a list"),
         ("hello", {"temperature": 0}, "SamplingParams"),
     ]
     for prompt, params, message in bad:
@@ -614,6 +617,99 @@ def test_eos_stops_unless_ignored(make_tiny):
     assert len(base) == 64 and final[str(seed)].outputs[0].finish_reason == "length"
     out = run_alone(make_tiny, prompt, sps[seed].clone(ignore_eos=False)).outputs[0]
     assert out.token_ids == base[:k + 1] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_logit_bias_forces_a_token_and_leaves_the_logprobs_the_models(make_tiny):
+    tok = make_tiny().tokenizer
+    prompt = text_prompt(tok, 10)
+    base = run_alone(make_tiny, prompt, SamplingParams(max_tokens=6, logprobs=0, **GREEDY)).outputs[0]
+    target = next(t for t in range(5, 400) if t not in base.token_ids)
+    out = run_alone(make_tiny, prompt, SamplingParams(max_tokens=6, logprobs=0, logit_bias={target: 100.0},
+                                                      **GREEDY)).outputs[0]
+    assert out.token_ids == [target] * 6
+    first = out.logprobs[0][target].logprob
+    assert first < base.logprobs[0][base.token_ids[0]].logprob    # the model's own, not the biased one
+    banned = run_alone(make_tiny, prompt, SamplingParams(max_tokens=6, logit_bias={base.token_ids[0]: -100},
+                                                         **GREEDY)).outputs[0]
+    assert banned.token_ids[0] != base.token_ids[0]
+
+
+def test_allowed_token_ids_bound_sampled_and_greedy_output(make_tiny):
+    tok = make_tiny().tokenizer
+    allowed = [11, 40, 95, 230]
+    outs = [run_alone(make_tiny, text_prompt(tok, 10), SamplingParams(
+        temperature=t, seed=3, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed)).outputs[0]
+        for t in (0.0, 1.5)]
+    for out in outs:
+        assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 24
+    assert len(set(outs[1].token_ids)) > 1
+
+
+def test_bad_words_never_complete_and_the_rest_is_unchanged(make_tiny):
+    tok = make_tiny().tokenizer
+    prompt = text_prompt(tok, 10)
+    base, sp = _seeded_tokens(make_tiny, tok, seed=11)     # one uniform a step: the same draws up to k
+    k = next(i for i in range(3, len(base)) if base[i] != base[i - 1])
+    pair = [base[k - 1], base[k]]
+    ids = run_alone(make_tiny, prompt, sp.clone(bad_words_token_ids=[pair])).outputs[0].token_ids
+    assert ids[:k] == base[:k] and ids[k] != base[k]
+    assert not any(ids[i:i + 2] == pair for i in range(len(ids) - 1))
+    # a word given as text: banned as it tokenizes alone and after a space
+    word = tok.decode(base[k:k + 1]).strip()
+    sp = SamplingParams(temperature=1.5, seed=4, max_tokens=40, ignore_eos=True, bad_words=[word])
+    engine = make_tiny()
+    engine.add_request({"prompt_token_ids": prompt}, sp, request_id="w")
+    seqs = engine.scheduler.requests["w"].params.bad_words_token_ids
+    assert tuple(tok.encode(word, add_special_tokens=False)) in seqs
+    final, _ = drain(engine)
+    ids = final["w"].outputs[0].token_ids
+    for seq in seqs:
+        assert not any(tuple(ids[i:i + len(seq)]) == seq for i in range(len(ids))), seq
+
+
+def test_token_controls_outside_the_vocabulary_or_leaving_nothing_are_refused(make_tiny):
+    engine = make_tiny()
+    vocab, tok = engine.model.cfg.vocab_size, engine.tokenizer
+    eos = sorted(tok.stop_token_ids)
+    word = next(w for w in "abcdefghijklmnopqrstuvwxyz" if len(tok.encode(w, add_special_tokens=False)) == 1)
+    single = tok.encode(word, add_special_tokens=False)
+    bad = [
+        (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias holds token ids outside the vocabulary"),
+        (SamplingParams(allowed_token_ids=[1, vocab + 5]), "allowed_token_ids holds token ids outside"),
+        (SamplingParams(bad_words_token_ids=[[vocab]]), "bad_words holds token ids outside"),
+        (SamplingParams(allowed_token_ids=eos, min_tokens=2), "leaves no token to sample"),
+        (SamplingParams(allowed_token_ids=single, bad_words=[word]), "leaves no token to sample"),
+    ]
+    for params, message in bad:
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.add_request("hello", params)
+    assert not engine.scheduler.waiting
+    engine.add_request("hello", SamplingParams(allowed_token_ids=eos, max_tokens=2), request_id="ok")
+    final, _ = drain(engine)
+    assert final["ok"].outputs[0].token_ids[0] in eos
+
+
+def test_allowed_ids_the_grammar_forbids_end_the_request_with_a_reason(make_tiny):
+    tok = make_tiny().tokenizer
+    allowed = tok.encode("zzz", add_special_tokens=False)[:1]
+    params = SamplingParams(max_tokens=8, temperature=0, allowed_token_ids=allowed,
+                            structured_outputs={"choice": ["left", "right"]})
+    out = run_alone(make_tiny, text_prompt(tok, 10), params)
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert out.outputs[0].stop_reason == "no allowed token is left to sample"
+
+
+def test_token_controls_decode_the_same_with_speculation_on(make_tiny):
+    tok = make_tiny().tokenizer
+    prompt = text_prompt(tok, 10) * 3    # repeats: prompt lookup would draft
+    base = run_alone(make_tiny, prompt, SamplingParams(max_tokens=12, **GREEDY)).outputs[0].token_ids
+    params = [SamplingParams(max_tokens=12, logit_bias={base[2]: -100}, **GREEDY),
+              SamplingParams(max_tokens=12, bad_words_token_ids=[base[3:5]], **GREEDY),
+              SamplingParams(max_tokens=12, allowed_token_ids=base[:6], **GREEDY)]
+    for sp in params:
+        plain = run_alone(make_tiny, prompt, sp).outputs[0].token_ids
+        spec = run_alone(make_tiny, prompt, sp, speculative_config={"method": "prompt_lookup"}).outputs[0].token_ids
+        assert plain == spec
 
 
 def test_logprobs_match_a_full_softmax_of_the_model(make_tiny, tiny_parts):

@@ -11,7 +11,9 @@ from loom.errors import InvalidRequestError
 from loom.sample import (
     Sampler,
     SamplingBatch,
+    apply_allowed,
     apply_banned,
+    apply_logit_bias,
     apply_penalties,
     request_generator,
 )
@@ -66,6 +68,18 @@ BAD_PARAMS = [
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": 21}),
     ("ignore_eos", {"ignore_eos": "yes"}),
+    ("logit_bias", {"logit_bias": [1, 2]}),
+    ("logit_bias", {"logit_bias": {"5": 1.0}}),
+    ("logit_bias", {"logit_bias": {-1: 1.0}}),
+    ("logit_bias", {"logit_bias": {5: "up"}}),
+    ("logit_bias", {"logit_bias": {5: 100.5}}),
+    ("logit_bias", {"logit_bias": {5: float("nan")}}),
+    ("allowed_token_ids", {"allowed_token_ids": []}),
+    ("allowed_token_ids", {"allowed_token_ids": [1, -2]}),
+    ("allowed_token_ids", {"allowed_token_ids": 7}),
+    ("bad_words", {"bad_words": "word"}),
+    ("bad_words", {"bad_words": ["ok", " "]}),
+    ("bad_words_token_ids", {"bad_words_token_ids": [[1, 2], []]}),
 ]
 
 
@@ -76,6 +90,14 @@ def test_invalid_params_name_field_and_value(name, kwargs):
     message = str(err.value)
     assert message.startswith(f"{name} must be ")
     assert repr(kwargs[name]) in message
+
+
+def test_token_controls_are_normalised():
+    sp = SamplingParams(logit_bias={7: 1, 3: -2.5}, allowed_token_ids=[9, 2, 9], bad_words=["a b"],
+                        bad_words_token_ids=[[4, 5]])
+    assert sp.logit_bias == {7: 1.0, 3: -2.5} and sp.allowed_token_ids == (2, 9)
+    assert sp.bad_words == ("a b",) and sp.bad_words_token_ids == ((4, 5),) and sp.restricts_tokens
+    assert not SamplingParams(logit_bias={}).restricts_tokens
 
 
 def test_params_defaults_and_normalisation():
@@ -371,6 +393,45 @@ def test_apply_banned_per_row():
     apply_banned(logits, [[1, 5], []])
     assert logits[0].isneginf().nonzero().squeeze(1).tolist() == [1, 5]
     assert not logits[1].isneginf().any()
+
+
+def test_apply_allowed_and_logit_bias_per_row():
+    logits = random_logits(3, seed=4)
+    before = logits.clone()
+    apply_allowed(logits, [torch.tensor([2, 7]), None, torch.tensor([0])])
+    assert logits[0].isfinite().nonzero().squeeze(1).tolist() == [2, 7]
+    assert torch.equal(logits[0, [2, 7]], before[0, [2, 7]]) and torch.equal(logits[1], before[1])
+    assert logits[2].isfinite().nonzero().squeeze(1).tolist() == [0]
+    logits = before.clone()
+    apply_logit_bias(logits, [None, (torch.tensor([5, 1]), torch.tensor([2.0, -3.0])), None])
+    expect = before.clone()
+    expect[1, 5] += 2.0
+    expect[1, 1] -= 3.0
+    assert torch.equal(logits, expect)
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_but_not_logprobs():
+    logits = random_logits(1, seed=12)
+    low = int(logits[0].argmin())
+    bias = (torch.tensor([low]), torch.tensor([100.0]))
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=1)], bias=[bias])
+    assert int(out.token_ids[0]) == low
+    raw = logits[0].log_softmax(dim=0)
+    assert float(out.logprobs[0]) == pytest.approx(float(raw[low]))      # the model's own logprob
+    assert int(out.top_token_ids[0, 0]) == int(raw.argmax())
+    rows = logits.expand(DRAWS, -1).contiguous()
+    drawn = sample(rows, [SamplingParams(temperature=1.0)] * DRAWS, bias=[bias] * DRAWS).token_ids
+    assert (drawn == low).float().mean() > 0.99
+
+
+def test_allowed_ids_bound_every_draw():
+    logits = random_logits(1, seed=13)
+    allowed = torch.tensor([3, 50, 600])
+    rows = logits.expand(DRAWS, -1).contiguous()
+    drawn = sample(rows, [SamplingParams(temperature=2.0)] * DRAWS, allowed=[allowed] * DRAWS).token_ids
+    assert set(drawn.tolist()) <= set(allowed.tolist()) and len(set(drawn.tolist())) > 1
+    greedy = sample(logits, [SamplingParams(temperature=0.0)], allowed=[allowed]).token_ids
+    assert int(greedy[0]) == int(allowed[logits[0, allowed].argmax()])
 
 
 # ---------------------------------------------------------------- logprobs

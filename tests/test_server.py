@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -129,6 +130,23 @@ def test_completion_logprobs_layout(tiny: LoomServer) -> None:
         assert logprob == pytest.approx(max(top.values())), "greedy picks the most probable token"
 
 
+def test_token_controls_on_both_endpoints(tiny: LoomServer) -> None:
+    c = client(tiny)
+
+    def text_of(ids: list[int]) -> str:
+        return httpx.post(f"{tiny.url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+
+    forced = c.completions.create(model="tiny-llama", prompt="hello world", max_tokens=4, temperature=0,
+                                  logit_bias={"42": 100}, logprobs=0, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == text_of([42] * 4)
+    assert all(lp < -0.5 for lp in forced.choices[0].logprobs.token_logprobs)   # the model's own logprobs
+    chat = c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                     temperature=1.5, seed=2,
+                                     extra_body={"allowed_token_ids": [42, 43], "ignore_eos": True})
+    pieces = "|".join(re.escape(text_of([t])) for t in (42, 43))
+    assert re.fullmatch(f"(?:{pieces}){{6}}", chat.choices[0].message.content), chat.choices[0].message.content
+
+
 def test_chat_logprobs_layout(tiny: LoomServer) -> None:
     done = client(tiny).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=4, temperature=0,
                                                 logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
@@ -232,6 +250,12 @@ BAD_REQUESTS = [
     ("max-tokens-above-cap", COMPLETIONS, b'{"prompt": "hi", "max_tokens": 17}', 400, "max_tokens", "16"),
     ("empty-prompt", COMPLETIONS, b'{"prompt": ""}', 400, "prompt", "at least 1"),
     ("token-out-of-vocab", COMPLETIONS, b'{"prompt": [1, 99999999]}', 400, None, "token ids"),
+    ("logit-bias-key", COMPLETIONS, b'{"prompt": "hi", "logit_bias": {"-3": 1}}', 400, "logit_bias", "token ids"),
+    ("logit-bias-out-of-vocab", COMPLETIONS, b'{"prompt": "hi", "logit_bias": {"99999999": 1}}', 400, None,
+     "outside the vocabulary"),
+    ("allowed-ids-empty", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": []}', 400,
+     "allowed_token_ids", "at least 1"),
+    ("bad-words-empty-word", COMPLETIONS, b'{"prompt": "hi", "bad_words": [""]}', 400, "bad_words.0", "at least 1"),
     ("prompt-too-long", COMPLETIONS, json.dumps({"prompt": "hello " * 1200}).encode(), 400, None, "context"),
     ("unknown-model", COMPLETIONS, b'{"prompt": "hi", "model": "gpt-9"}', 404, "model", "does not exist"),
     ("empty-messages", CHAT, b'{"messages": []}', 400, "messages", "at least 1"),

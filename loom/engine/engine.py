@@ -14,7 +14,7 @@ from loom.config import EngineConfig, physical_cores
 from loom.engine.allocator import tune_malloc
 from loom.engine.detokenize import OutputState
 from loom.engine.groups import ChildSpec, FanOutOptions, RequestGroups, child_request, derive_seed, per_child_appends
-from loom.engine.request import Request, RequestStatus, check_token_ids
+from loom.engine.request import Request, RequestStatus, check_token_ids, token_controls
 from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
 from loom.kv.eviction import make_policy
@@ -42,6 +42,18 @@ def kv_cache_format(choice: str, model) -> KVFormat:
     "auto" is float16 where loom's kernels read the cache (half the memory traffic of
     attention), float32 in the exact mode, which must match the reference bit for bit."""
     return kv_format(choice, kernels=getattr(model, "kern", None) is not None, head_dim=model.cfg.head_dim)
+
+
+def _iterable(value) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        return [None]
+
+
+def _integer(value) -> bool:
+    """An int (a numpy or torch integer too), never a bool or float."""
+    return not isinstance(value, bool) and hasattr(value, "__index__")
 
 
 class Engine:
@@ -127,6 +139,8 @@ class Engine:
         params = params.clone()
         if params.structured_outputs is not None:   # compiled (and cached) now: a bad one is refused here
             self.structured.compile(params.structured_outputs)
+        if params.restricts_tokens:
+            params = token_controls(params, self.tokenizer, self.model.cfg.vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         params = self._with_eviction(params, fanout)
@@ -262,7 +276,11 @@ class Engine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not all(_integer(t) for t in _iterable(ids)):
+                    raise InvalidRequestError(f"prompt_token_ids must be a list of token ids (integers), "
+                                              f"got {ids!r:.60}")
+                return prompt.get("prompt"), [int(t) for t in ids]
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"])
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")

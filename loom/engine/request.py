@@ -29,6 +29,50 @@ def check_token_ids(ids: list[int], vocab_size: int, max_model_len: int | None, 
                                   f"(at least one token must be left to generate)")
 
 
+def bad_words_token_ids(words, tokenizer) -> list[tuple[int, ...]]:
+    """The token sequences `bad_words` ban, as vLLM derives them: each word as it tokenizes
+    alone, and after a space where that spells the word with another first token and as many
+    tokens (so a word is banned at the start of the text and in its middle)."""
+    seqs: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if alone:
+            seqs.append(alone)
+        if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+            seqs.append(spaced)
+    return seqs
+
+
+def token_controls(params: SamplingParams, tokenizer, vocab_size: int) -> SamplingParams:
+    """`params` with its bad words tokenized, its logit_bias, allowed_token_ids and bad-word ids
+    checked against the vocabulary, and refused where they leave no token to sample at the
+    first step (every allowed id banned by min_tokens or by a one-token bad word)."""
+    def check(what: str, ids) -> None:
+        out = sorted(t for t in ids if t >= vocab_size)
+        if out:
+            raise InvalidRequestError(f"{what} holds token ids outside the vocabulary of {vocab_size}: "
+                                      f"{', '.join(map(str, out[:8]))}")
+    if params.logit_bias:
+        check("logit_bias", params.logit_bias)
+    if params.allowed_token_ids:
+        check("allowed_token_ids", params.allowed_token_ids)
+    seqs = list(params.bad_words_token_ids or ())
+    if params.bad_words:
+        seqs += [q for q in bad_words_token_ids(params.bad_words, tokenizer) if q not in seqs]
+    if seqs:
+        check("bad_words", {t for q in seqs for t in q})
+        params = params.clone(bad_words_token_ids=seqs)
+    if params.allowed_token_ids:
+        left = set(params.allowed_token_ids) - {q[0] for q in seqs if len(q) == 1}
+        if params.min_tokens:
+            left -= set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.stop_token_ids))
+        if not left:
+            raise InvalidRequestError("allowed_token_ids leaves no token to sample: every id it allows is banned "
+                                      "(by bad_words, or as a stop token before min_tokens)")
+    return params
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

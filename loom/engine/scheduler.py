@@ -296,8 +296,8 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
-            if seq.req_id in result.dead_ends:   # its grammar cannot go on in this vocabulary
-                req.status, req.stop_reason = RequestStatus.FINISHED_ABORTED, "grammar admits no token"
+            if seq.req_id in result.dead_ends:   # e.g. its grammar cannot go on in this vocabulary
+                req.status, req.stop_reason = RequestStatus.FINISHED_ABORTED, result.dead_ends[seq.req_id]
                 touched.append(req)
                 continue
             req.draft = result.drafts.get(seq.req_id)

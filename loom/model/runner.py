@@ -28,7 +28,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost, TokenLogprobs
+from loom.contracts import (GRAMMAR_DEAD_END, NO_ALLOWED_TOKEN, DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput,
+                            SpecHost, TokenLogprobs)
 from loom.kv.eviction import EvictionPolicy, make_policy, positions_tensor
 from loom.model.kv_cache import KVCacheTensors, kv_keys
 from loom.model.kv_dtypes import KVFormat
@@ -49,13 +50,35 @@ class _ReqState:
     prompt_lp_done: int = 0                  # prompt positions whose next-token logprobs were returned
     eviction: EvictionPolicy | None = None
     observed: list[list[tuple[torch.Tensor, int | None]]] = field(default_factory=list)  # SnapKV, per chunk
+    allowed: torch.Tensor | None = None                       # allowed_token_ids [k] int64
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None    # logit_bias: ids [k] int64, values [k] float32
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if p.allowed_token_ids:
+            self.allowed = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+        if p.logit_bias:
+            self.bias = (torch.tensor(list(p.logit_bias), dtype=torch.int64),
+                         torch.tensor(list(p.logit_bias.values()), dtype=torch.float32))
 
     @property
     def plain_greedy(self) -> bool:
-        """Argmax and nothing else: no penalties, logprobs or banned tokens this step."""
+        """Argmax and nothing else: no penalties, logprobs, banned tokens or token controls this step."""
         p = self.params
         return (p.is_greedy and p.logprobs is None and p.presence_penalty == 0 and p.frequency_penalty == 0
-                and p.repetition_penalty == 1 and len(self.output_token_ids) >= p.min_tokens)
+                and p.repetition_penalty == 1 and len(self.output_token_ids) >= p.min_tokens
+                and not p.restricts_tokens)
+
+    def banned(self) -> tuple[int, ...]:
+        """The ids this step must not sample: stop ids before min_tokens, and the last token of
+        every bad word whose other tokens end the output (vLLM's rule: the output only)."""
+        p, out = self.params, self.output_token_ids
+        ids = self.banned_until_min if len(out) < p.min_tokens else ()
+        for seq in p.bad_words_token_ids or ():
+            k = len(seq) - 1
+            if k <= len(out) and (k == 0 or out[-k:] == list(seq[:-1])):
+                ids += (seq[-1],)
+        return ids
 
 
 # Prompt positions whose logits are made at once for prompt logprobs ([rows, vocab] float32).
@@ -253,8 +276,9 @@ class ModelRunner:
             generators=[st.generator for st in states],
             prompt_ids=[st.prompt_token_ids for st in states],
             output_ids=[st.output_token_ids for st in states],
-            banned=[st.banned_until_min if len(st.output_token_ids) < st.params.min_tokens else ()
-                    for st in states],
+            banned=[st.banned() for st in states],
+            allowed=[st.allowed for st in states],
+            bias=[st.bias for st in states],
         )
 
     def _take_greedy(self, states: list[_ReqState], req_ids: list[str], tokens: list[int]) -> RunnerOutput:
@@ -281,21 +305,24 @@ class ModelRunner:
         if dead:
             keep = [i for i, rid in enumerate(req_ids) if rid not in dead]
             out = self._sample(logits[keep], [req_ids[i] for i in keep]) if keep else RunnerOutput({})
-            out.dead_ends.extend(sorted(dead))
+            out.dead_ends.update(dict.fromkeys(sorted(dead), GRAMMAR_DEAD_END))
             return out
         if greedy:
             return self._take_greedy(states, req_ids, argmax_rows(logits).tolist())
         res = self.sampler(logits, self.sampling_batch(req_ids))
         tokens = res.token_ids.tolist()
-        sampled, logprobs = {}, {}
+        sampled, logprobs, dead = {}, {}, {}
         for i, (rid, st, tok) in enumerate(zip(req_ids, states, tokens)):
+            if st.allowed is not None and not bool(logits[i, st.allowed].isfinite().any()):
+                dead[rid] = NO_ALLOWED_TOKEN   # its grammar or bad words banned every allowed id
+                continue
             self._take(st, tok)
             sampled[rid] = [tok]
             k = st.params.logprobs
             if k is not None and res.logprobs is not None:
                 top = list(zip(res.top_token_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
                 logprobs[rid] = [TokenLogprobs(float(res.logprobs[i]), top)]
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, dead_ends=dead)
 
 
 def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -4,7 +4,9 @@ The runner computes logits only for the positions it samples, one row per row of
 `SamplingBatch`, and calls `Sampler` once per step. Per row, in this order:
 
 1. logprobs (when asked) are the log-softmax of the raw logits as passed in;
-2. banned ids (stop ids and EOS of rows below `min_tokens`) are set to -inf;
+2. a row with allowed ids (`allowed_token_ids`) keeps only those; banned ids (stop ids and EOS
+   of rows below `min_tokens`, the last token of a bad word whose other tokens end the output)
+   are set to -inf; a row's logit bias is added to its ids;
 3. penalties: repetition over prompt + output tokens (positive logits divided by it,
    negative ones multiplied), then frequency and presence over output tokens only:
    ``logit -= frequency * count + presence * (count > 0)``;
@@ -80,7 +82,9 @@ class SamplingBatch:
     filtering stage run. `generators[i]` is the row's own generator (None: the
     sampler's shared one). The id lists are per row and may be None when no row needs
     them: prompt ids for the repetition penalty, output ids for every penalty, banned
-    ids for rows that must not end yet. The flags after `num_logprobs` are derived.
+    ids for rows that must not end yet or must not finish a bad word, allowed ids [k] int64
+    and logit biases (ids [k] int64, values [k] float32) of the rows that have them. The flags
+    after `logit_bias` are derived.
     """
 
     temperature: torch.Tensor         # [S] float32, 0 for greedy rows
@@ -95,6 +99,8 @@ class SamplingBatch:
     output_token_ids: list[Sequence[int]] | None
     banned_token_ids: list[Sequence[int]] | None
     num_logprobs: list[int | None]
+    allowed_token_ids: list[torch.Tensor | None] | None = None
+    logit_bias: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     greedy: torch.Tensor = field(init=False)  # [S] bool
     all_greedy: bool = field(init=False)
@@ -113,7 +119,7 @@ class SamplingBatch:
                 raise ValueError(f"SamplingBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected ({rows},)")
         for name in ("generators", "num_logprobs", "prompt_token_ids", "output_token_ids",
-                     "banned_token_ids"):
+                     "banned_token_ids", "allowed_token_ids", "logit_bias"):
             value = getattr(self, name)
             if value is not None and len(value) != rows:
                 raise ValueError(f"SamplingBatch.{name} has {len(value)} rows, expected {rows}")
@@ -152,12 +158,15 @@ class SamplingBatch:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
+        allowed: Sequence[torch.Tensor | None] | None = None,
+        bias: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> SamplingBatch:
         """The batch for rows sampled with `params[i]`.
 
         `generators` defaults to none (every row uses the shared generator). The id
         lists are kept only when some row needs them: prompt ids when a row has a
-        repetition penalty, output ids when a row has any penalty.
+        repetition penalty, output ids when a row has any penalty; allowed ids and biases
+        when a row has them.
         """
         greedy = [p.is_greedy for p in params]
         temperature = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -180,6 +189,8 @@ class SamplingBatch:
             output_token_ids=list(output_ids) if penalised and output_ids is not None else None,
             banned_token_ids=list(banned) if banned is not None else None,
             num_logprobs=[p.logprobs for p in params],
+            allowed_token_ids=list(allowed) if allowed is not None and any(a is not None for a in allowed) else None,
+            logit_bias=list(bias) if bias is not None and any(b is not None for b in bias) else None,
         )
 
 
@@ -217,6 +228,22 @@ def apply_banned(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
     row, ids = _flatten(banned)
     keep = ids < logits.shape[1]
     logits[row[keep], ids[keep]] = float("-inf")
+
+
+def apply_allowed(logits: torch.Tensor, allowed: Sequence[torch.Tensor | None]) -> None:
+    """Row i of `logits` keeps only the ids `allowed[i]` (None: every id), the rest -inf."""
+    for i, ids in enumerate(allowed):
+        if ids is not None:
+            keep = logits[i, ids]
+            logits[i].fill_(float("-inf"))
+            logits[i, ids] = keep
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    """Adds `bias[i]` = (ids, values), distinct ids, to row i of `logits` (None: nothing)."""
+    for i, b in enumerate(bias):
+        if b is not None:
+            logits[i].index_add_(0, b[0], b[1])
 
 
 def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
@@ -364,8 +391,12 @@ class Sampler:
             lp_rows = torch.tensor([k is not None for k in batch.num_logprobs])
             lp = logits[lp_rows].log_softmax(dim=1)
 
+        if batch.allowed_token_ids is not None:
+            apply_allowed(logits, batch.allowed_token_ids)
         if batch.banned_token_ids is not None:
             apply_banned(logits, batch.banned_token_ids)
+        if batch.logit_bias is not None:
+            apply_logit_bias(logits, batch.logit_bias)
         if not batch.no_penalties:
             self._penalise(logits, batch)
 

@@ -183,6 +183,20 @@ def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, whose keys are token ids written as strings, with int keys."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else None
+        if token is None:
+            raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
+                           param="logit_bias", code="invalid_value")
+        out[token] = value
+    return out
+
+
 def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogprobs,
                           decode: Callable[[list[int]], str]) -> CompletionLogprobs:
     """The legacy layout of an echoed prompt's tokens (the first one's logprob and top null: nothing
@@ -312,6 +326,8 @@ class OpenAIServing:
             stop_token_ids=body.stop_token_ids, include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens, structured_outputs=_constraint(body),
+            logit_bias=_logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
             kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True))
 
     # -- running a group ---------------------------------------------------------------------

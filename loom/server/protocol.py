@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
-from loom.sampling_params import MAX_LOGPROBS
+from loom.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # The most completions one request may ask for with `n`, and the most prompts in one batch.
 MAX_N = 16
@@ -178,6 +178,13 @@ class SamplingFields(_Request):
                                                                     "output to JSON.")
     structured_outputs: StructuredOutputsRequest | None = Field(None, description="Extension: json, regex, "
                                                                 "choice, grammar, json_object or structural_tag.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100] added to its logit before sampling; "
+                          "the returned logprobs stay the model's own.")
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        None, description="Extension (vLLM): only these token ids may be sampled.")
+    bad_words: list[NonEmptyStr] | None = Field(None, description="Extension (vLLM): words never generated "
+                                                                  "(alone or after a space).")
     priority: Priority = Field(0, description="Extension: lower values are scheduled first.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     min_tokens: Count = Field(0, description="Extension: no stop before this many tokens.")

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from loom.config import SpeculativeConfig
-from loom.contracts import DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost
+from loom.contracts import GRAMMAR_DEAD_END, DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost
 from loom.kernels import topk_indices
 from loom.sample.sampler import argmax_rows
 from loom.speculative.calibration import Grid, calibrated, measure
@@ -69,7 +69,7 @@ def behind(cands: list[str], caps: list[int], lefts: list[int]) -> tuple[list[st
 
 def eligible(params, num_output: int) -> bool:
     return (params.logprobs is None and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and num_output >= params.min_tokens)
+            and params.repetition_penalty == 1 and num_output >= params.min_tokens and not params.restricts_tokens)
 
 
 class SpecDecoder:
@@ -173,7 +173,7 @@ class SpecDecoder:
                 verdict = self._verify(host, s.req_id, tree, logits[starts[i]:starts[i + 1]],
                                        None if known is None else known[starts[i]:starts[i + 1]])
                 if verdict is None:
-                    result.dead_ends.append(s.req_id)
+                    result.dead_ends[s.req_id] = GRAMMAR_DEAD_END
                     continue
                 accepted = len(verdict.accepted_nodes)
                 host.commit(s.req_id, verdict.tokens)
