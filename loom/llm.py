@@ -63,12 +63,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {role, content}) or a list of them, rendered with the model's chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or a list of them, rendered with the model's chat template.
+
+        continue_final_message: the final message is left open and the model continues it (with
+        add_generation_prompt=False); chat_template_kwargs: more template variables."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [{"prompt": tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                    "prompt_token_ids": tok.encode_chat(c, add_generation_prompt=add_generation_prompt)}
+        how = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                   **(chat_template_kwargs or {}))
+        prompts = [{"prompt": tok.apply_chat_template(c, **how), "prompt_token_ids": tok.encode_chat(c, **how)}
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

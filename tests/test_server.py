@@ -147,6 +147,33 @@ def test_token_controls_on_both_endpoints(tiny: LoomServer) -> None:
     assert re.fullmatch(f"(?:{pieces}){{6}}", chat.choices[0].message.content), chat.choices[0].message.content
 
 
+def test_chat_template_options_and_prompts_without_special_tokens(tiny: LoomServer) -> None:
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+
+    def tokens(body: dict) -> list[int]:
+        r = httpx.post(f"{tiny.url}/tokenize", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    opened = tokens({"messages": chat, "add_generation_prompt": False, "continue_final_message": True})
+    closed = tokens({"messages": chat, "add_generation_prompt": False})
+    assert closed[:len(opened)] == opened and len(closed) > len(opened)
+    done = httpx.post(f"{tiny.url}/v1/chat/completions", timeout=30, json={
+        "messages": chat, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3,
+        "temperature": 0, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert done.status_code == 200 and done.json()["usage"]["prompt_tokens"] == len(opened), done.text
+    for body, param, words in [({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+                               ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "messages")]:
+        r = httpx.post(f"{tiny.url}/v1/chat/completions", json={"messages": chat, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.text, r.text
+    with_bos = tokens({"prompt": "hello world"})
+    without = tokens({"prompt": "hello world", "add_special_tokens": False})
+    for flag, want in ((True, with_bos), (False, without)):
+        r = httpx.post(f"{tiny.url}/v1/completions", timeout=30, json={
+            "prompt": "hello world", "max_tokens": 1, "add_special_tokens": flag})
+        assert r.json()["usage"]["prompt_tokens"] == len(want), r.text
+
+
 def test_chat_logprobs_layout(tiny: LoomServer) -> None:
     done = client(tiny).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=4, temperature=0,
                                                 logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})

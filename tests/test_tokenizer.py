@@ -367,6 +367,21 @@ def test_chat_template_matches_transformers(smollm_pair: Pair) -> None:
                 chat, tokenize=False, add_generation_prompt=gen)
             want_ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=gen, return_dict=False)
             assert tok.encode_chat(chat, add_generation_prompt=gen) == list(want_ids)
+        opened = chat + [{"role": "assistant", "content": "Sure, here it is: "}]
+        assert tok.apply_chat_template(opened, add_generation_prompt=False, continue_final_message=True) == (
+            ref.apply_chat_template(opened, tokenize=False, add_generation_prompt=False, continue_final_message=True))
+
+
+def test_continue_final_message_refusals(tiny_parts) -> None:
+    tok = tiny_parts[2]
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True).endswith(
+        "The answer")
+    with pytest.raises(TokenizerError, match="add_generation_prompt"):
+        tok.apply_chat_template(chat, continue_final_message=True)
+    with pytest.raises(TokenizerError, match="final message with text"):
+        tok.encode_chat(chat[:1] + [{"role": "assistant", "content": None}], add_generation_prompt=False,
+                        continue_final_message=True)
 
 
 @pytest.mark.real_model

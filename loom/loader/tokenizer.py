@@ -309,12 +309,22 @@ class Tokenizer:
         return self._backend.id_to_token(i)
 
     # -- chat --------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text for a conversation, rendered by the model's own template.
 
         `kwargs` become template variables (``tools``, ``documents``, ``enable_thinking``, ...).
+        continue_final_message: the text ends where the final message's text ends (its end of
+        turn cut off), so that the model continues that message, as transformers does; not with
+        add_generation_prompt.
         Raises `TokenizerError` if the model has no template or the template rejects the input.
         """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise TokenizerError("continue_final_message continues the final message: it cannot be combined "
+                                     "with add_generation_prompt (set add_generation_prompt to false)")
+            tagged, final = _tag_final_message(messages)
+            return _cut_at_tag(self.apply_chat_template(tagged, False, **kwargs), final)
         if self._template_error is not None:
             raise TokenizerError(self._template_error)
         if self._template is None:
@@ -323,14 +333,47 @@ class Tokenizer:
         return self._template.render(messages, add_generation_prompt=add_generation_prompt,
                                      special_tokens=self.named_tokens, **kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Ids of the rendered conversation; BOS is added only if the model wants one and the
         template did not already write it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **kwargs),
                           add_special_tokens=False)
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+
+# Marks where the final message's text ends in a rendering that must leave it open (transformers' tag).
+_OPEN_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict]) -> tuple[list[dict], str]:
+    """A copy of `messages` whose final message's text (its content, or its last text part) ends
+    in `_OPEN_TAG`, and that text."""
+    last = dict(messages[-1]) if messages and isinstance(messages[-1], dict) else None
+    content = None if last is None else last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _OPEN_TAG
+        return messages[:-1] + [last], content
+    if isinstance(content, list):
+        for i in reversed(range(len(content))):
+            part = content[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                last["content"] = content[:i] + [{**part, "text": part["text"] + _OPEN_TAG}] + content[i + 1:]
+                return messages[:-1] + [last], part["text"]
+    raise TokenizerError("continue_final_message needs a final message with text to continue")
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """The rendering `text` cut where the tagged final message ends (its trailing spaces kept
+    where the template keeps them)."""
+    tag = _OPEN_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise TokenizerError("continue_final_message: the chat template does not write the final message's text "
+                             "as given, so it cannot be left open")
+    at = text.rindex(tag)
+    return text[:at] if text[at:at + len(_OPEN_TAG)] == _OPEN_TAG else text[:at].rstrip()
 
 
 # -- building the backend ------------------------------------------------------------------------

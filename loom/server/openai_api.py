@@ -183,6 +183,17 @@ def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
     return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
 
 
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, which may not set what the request's own fields set."""
+    extra = dict(kwargs or {})
+    reserved = sorted(set(extra) & {"messages", "add_generation_prompt", "continue_final_message", "tools"})
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: give "
+                            f"{'them' if len(reserved) > 1 else 'it'} as the request's own field",
+                       param="chat_template_kwargs", code="invalid_value")
+    return extra
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias, whose keys are token ids written as strings, with int keys."""
     if bias is None:
@@ -386,6 +397,9 @@ class OpenAIServing:
         if wanted:
             params = params.clone(prompt_logprobs=max(wanted))
         echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
+        if not body.add_special_tokens:   # text prompts as ids, tokenized here without BOS
+            prompts = [self.ae.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+                       for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         plan = plan_loom(body.loom, body.stream)
         if body.stream and body.best_of is not None and body.best_of > body.n:
@@ -536,17 +550,19 @@ class OpenAIServing:
 
     def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan) -> dict[str, Any]:
         messages = [_message_dict(m) for m in body.messages]
-        extra: dict[str, Any] = {}
+        extra = _template_variables(body.chat_template_kwargs)
         if tools.active:   # the template's own tool prompt where it has one, else loom's generic one
             if template_reads_tools(self.ae.tokenizer.chat_template):
                 extra["tools"] = tools.tools
             else:
                 messages = with_tool_prompt(messages, tools.tools)
         try:
-            ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, **extra)
+            ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                                continue_final_message=body.continue_final_message, **extra)
         except TokenizerError as e:
-            raise ApiError(400, f"{e} (POST /v1/completions takes a plain prompt)", param="messages",
-                           code="chat_template_error") from None
+            hint = " (POST /v1/completions takes a plain prompt)" if self.ae.tokenizer.chat_template is None else ""
+            param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
+            raise ApiError(400, f"{e}{hint}", param=param, code="chat_template_error") from None
         return {"prompt_token_ids": ids}
 
     def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
@@ -614,7 +630,9 @@ class OpenAIServing:
         else:
             try:
                 ids = tok.encode_chat([_message_dict(m) for m in body.messages],
-                                      add_generation_prompt=body.add_generation_prompt)
+                                      add_generation_prompt=body.add_generation_prompt,
+                                      continue_final_message=body.continue_final_message,
+                                      **_template_variables(body.chat_template_kwargs))
             except TokenizerError as e:
                 raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
         strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None

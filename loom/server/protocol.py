@@ -14,7 +14,7 @@ additions.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
@@ -218,6 +218,8 @@ class CompletionRequest(SamplingFields):
                                                  "`prompt_logprobs`: per prompt token {token id: logprob}.")
     best_of: ChoiceCount | None = Field(None, description="Generate this many choices (>= n) and return the n "
                                                           "with the highest cumulative logprob; not streamed.")
+    add_special_tokens: bool = Field(True, description="Extension (vLLM): false tokenizes a text prompt without "
+                                                       "the special tokens the model adds (its BOS).")
 
 
 class CompletionLogprobs(_Response):
@@ -358,6 +360,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: LogprobCount | None = Field(None, description="Needs logprobs: true.")
     add_generation_prompt: bool = Field(True, description="Extension: end the prompt with the assistant header.")
+    continue_final_message: bool = Field(False, description="Extension (vLLM): leave the final message open, so "
+                                                             "that the model continues it; needs "
+                                                             "add_generation_prompt false.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extension (vLLM): more variables for "
+                                                                          "the chat template (e.g. enable_thinking).")
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools. required / a named function force a call (by a grammar).")
@@ -480,6 +487,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = Field(True, description="prompt: add BOS/EOS as the model's flags say.")
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening.")
+    continue_final_message: bool = Field(False, description="messages: leave the final message open.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: more chat template variables.")
     return_token_strs: bool = Field(False, description="Also return each token's text.")
 
 
