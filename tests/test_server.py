@@ -174,6 +174,33 @@ def test_chat_template_options_and_prompts_without_special_tokens(tiny: LoomServ
         assert r.json()["usage"]["prompt_tokens"] == len(want), r.text
 
 
+def test_tokens_as_token_ids(tiny: LoomServer) -> None:
+    body = {"prompt": "hello world", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
+            "ignore_eos": True}
+    named = httpx.post(f"{tiny.url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    ided = httpx.post(f"{tiny.url}/v1/completions", json=body | {"return_tokens_as_token_ids": True},
+                      timeout=30).json()["choices"][0]
+    assert ided["text"] == named["text"]
+    assert ided["logprobs"]["text_offset"] == named["logprobs"]["text_offset"]
+    assert ided["logprobs"]["token_logprobs"] == named["logprobs"]["token_logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in ided["logprobs"]["tokens"]]
+    prompt = httpx.post(f"{tiny.url}/tokenize", json={"prompt": "hello world"}, timeout=30).json()["tokens"]
+    assert ids[:len(prompt)] == prompt and len(ids) == len(prompt) + 4
+    text = httpx.post(f"{tiny.url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert text == named["text"]
+    for top in ided["logprobs"]["top_logprobs"][1:]:
+        assert all(k.startswith("token_id:") for k in top)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    for stream in (False, True):
+        r = httpx.post(f"{tiny.url}/v1/chat/completions", json=chat | {"stream": stream}, timeout=30)
+        names = ([e["token"] for e in r.json()["choices"][0]["logprobs"]["content"]] if not stream else
+                 [e["token"] for line in r.text.splitlines() if line.startswith("data: {")
+                  for c in json.loads(line[6:])["choices"] if c.get("logprobs")
+                  for e in c["logprobs"]["content"]])
+        assert len(names) == 3 and all(n.startswith("token_id:") for n in names), names
+
+
 def test_chat_logprobs_layout(tiny: LoomServer) -> None:
     done = client(tiny).chat.completions.create(model="tiny-llama", messages=QUESTION, max_tokens=4, temperature=0,
                                                 logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})

@@ -7,6 +7,10 @@
   text, logprob, UTF-8 bytes and exactly the k most probable alternatives.
 
 JSON has no infinities: a logprob of -inf (or NaN) is reported as -9999.0.
+
+With `as_ids` (vLLM's return_tokens_as_token_ids) each token, chosen or alternative, is named
+"token_id:<id>" instead of its text, so that a client gets the exact ids (a token that is not
+valid UTF-8 alone has no text of its own); text offsets and bytes stay those of the text.
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
-def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The k most probable entries, best first (entries without a rank are not among the top)."""
-    ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+def token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else _text(lp)
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most probable (id, entry), best first (entries without a rank are not among the top)."""
+    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda p: p[1].rank)
     return ranked[:k]
 
 
 def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int,
-                        offset: int = 0) -> CompletionLogprobs:
+                        offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
     """The completions layout for `token_ids`; offsets start at `offset` (the length of any
     text returned before these tokens: an echoed prompt, or earlier stream chunks)."""
     tokens: list[str] = []
@@ -45,11 +53,12 @@ def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequen
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id)
         text = _text(chosen) if chosen is not None else ""
-        tokens.append(text)
+        name = f"token_id:{token_id}" if as_ids else text
+        tokens.append(name)
         token_logprobs.append(finite(chosen.logprob) if chosen is not None else None)
-        top = {_text(lp): finite(lp.logprob) for lp in _top(entry, k)}
+        top = {token_name(t, lp, as_ids): finite(lp.logprob) for t, lp in _top(entry, k)}
         if chosen is not None:
-            top.setdefault(text, finite(chosen.logprob))
+            top.setdefault(name, finite(chosen.logprob))
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(text)
@@ -57,16 +66,16 @@ def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequen
                               text_offset=text_offset)
 
 
-def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int,
+                  as_ids: bool = False) -> ChatLogprobs:
     """The chat layout for `token_ids` with `k` alternatives per token."""
     content = []
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id)
         if chosen is None:
             continue
-        text = _text(chosen)
-        top = [TopLogprob(token=_text(lp), logprob=finite(lp.logprob), bytes=list(_text(lp).encode("utf-8")))
-               for lp in _top(entry, k)]
-        content.append(ChatTokenLogprob(token=text, logprob=finite(chosen.logprob),
-                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
+        top = [TopLogprob(token=token_name(t, lp, as_ids), logprob=finite(lp.logprob),
+                          bytes=list(_text(lp).encode("utf-8"))) for t, lp in _top(entry, k)]
+        content.append(ChatTokenLogprob(token=token_name(token_id, chosen, as_ids), logprob=finite(chosen.logprob),
+                                        bytes=list(_text(chosen).encode("utf-8")), top_logprobs=top))
     return ChatLogprobs(content=content)

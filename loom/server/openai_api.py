@@ -50,7 +50,7 @@ from loom.server.errors import (
     install_error_handlers,
 )
 from loom.server.limits import BodySizeLimit
-from loom.server.logprobs import chat_logprobs, completion_logprobs, finite
+from loom.server.logprobs import chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
     DetokenizeRequest,
@@ -209,29 +209,28 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogprobs,
-                          decode: Callable[[list[int]], str]) -> CompletionLogprobs:
+                          decode: Callable[[list[int]], str], as_ids: bool = False) -> CompletionLogprobs:
     """The legacy layout of an echoed prompt's tokens (the first one's logprob and top null: nothing
     precedes it), followed by `completion`'s (whose offsets already count the echoed text)."""
     ids = out.prompt_token_ids
     entries = out.prompt_logprobs or [None]
-    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k)
-    tokens = [decode(ids[:1])] + rest.tokens
-    offsets, pos = [], 0
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
+    first = decode(ids[:1])
+    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k, offset=len(first), as_ids=as_ids)
+    tokens = [f"token_id:{ids[0]}" if as_ids else first] + rest.tokens
+    offsets = [0] + rest.text_offset
     return CompletionLogprobs(tokens=tokens + completion.tokens,
                               token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
                               top_logprobs=[None] + rest.top_logprobs + completion.top_logprobs,
                               text_offset=offsets + completion.text_offset)
 
 
-def _prompt_logprobs_field(out: RequestOutput, k: int | None) -> list[dict[str, PromptLogprob] | None] | None:
+def _prompt_logprobs_field(out: RequestOutput, k: int | None,
+                           as_ids: bool = False) -> list[dict[str, PromptLogprob] | None] | None:
     """vLLM's `prompt_logprobs` of a choice: None first, then per prompt token {token id: logprob}."""
     if k is None or out.prompt_logprobs is None:
         return None
     return [None if d is None else {str(tid): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
-                                                            decoded_token=lp.decoded_token)
+                                                            decoded_token=token_name(tid, lp, as_ids))
                                     for tid, lp in d.items()}
             for d in out.prompt_logprobs]
 
@@ -415,18 +414,18 @@ class OpenAIServing:
         usage, per, extension = self.usage(finals, body.n), body.n, None
         if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
             (finals, extension), per = plan.aggregate(group.prompt_choices()), 1
-        choices = []
+        choices, as_ids = [], body.return_tokens_as_token_ids
         for index, out in enumerate(finals):
             c = out.outputs[0]
             echo = echoes[index // per] if echoes else ""
             text, ids, lps = ("", [], []) if score_only else (c.text, c.token_ids, c.logprobs or [])
             lp = None
             if body.logprobs is not None:
-                lp = completion_logprobs(lps, ids, body.logprobs, offset=len(echo))
+                lp = completion_logprobs(lps, ids, body.logprobs, offset=len(echo), as_ids=as_ids)
                 if body.echo:
-                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode)
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode, as_ids)
             choices.append(CompletionChoice(index=index, text=echo + text, logprobs=lp,
-                                            prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs),
+                                            prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids),
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
                                   loom=extension)
@@ -477,6 +476,7 @@ class OpenAIServing:
         tokens_sent = [0] * group.size
         chars_sent = [0] * group.size
         echo_pending = [bool(echoes)] * group.size
+        as_ids = body.return_tokens_as_token_ids
 
         def dump(choices: list[CompletionChoice], usage: UsageInfo | None) -> dict[str, Any]:
             return CompletionStreamResponse(id=rid, created=created, model=self.model, choices=choices,
@@ -491,17 +491,17 @@ class OpenAIServing:
             lp = None
             if body.logprobs is not None and (new_ids or (first and body.echo)):
                 lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs,
-                                         offset=chars_sent[index] + len(prefix))
+                                         offset=chars_sent[index] + len(prefix), as_ids=as_ids)
                 if first and body.echo:
-                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode)
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode, as_ids)
             tokens_sent[index] = len(c.token_ids)
             if not text and lp is None and not out.finished:
                 return None
             chars_sent[index] += len(text)
             echo_pending[index] = False
             return CompletionChoice(index=index, text=text, logprobs=lp,
-                                    prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs) if first
-                                    else None,
+                                    prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids)
+                                    if first else None,
                                     finish_reason=c.finish_reason if out.finished else None,
                                     stop_reason=c.stop_reason if out.finished else None)
 
@@ -537,10 +537,10 @@ class OpenAIServing:
         usage, extension = self.usage(finals, body.n), None
         if plan is not None and plan.aggregator is not None:  # one chosen answer
             finals, extension = plan.aggregate(group.prompt_choices())
-        choices = []
+        choices, as_ids = [], body.return_tokens_as_token_ids
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            lp = chat_logprobs(c.logprobs or [], c.token_ids, top_k) if top_k is not None else None
+            lp = chat_logprobs(c.logprobs or [], c.token_ids, top_k, as_ids) if top_k is not None else None
             content, calls, finish = tools.message(c.text, c.finish_reason)
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish,
@@ -587,7 +587,9 @@ class OpenAIServing:
             """The logprobs of the choice's tokens since the last call (None without new tokens)."""
             start, tokens_sent[index] = tokens_sent[index], len(c.token_ids)
             new_ids = c.token_ids[start:]
-            return chat_logprobs((c.logprobs or [])[start:], new_ids, top_k) if top_k is not None and new_ids else None
+            if top_k is None or not new_ids:
+                return None
+            return chat_logprobs((c.logprobs or [])[start:], new_ids, top_k, body.return_tokens_as_token_ids)
 
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]

@@ -185,6 +185,8 @@ class SamplingFields(_Request):
         None, description="Extension (vLLM): only these token ids may be sampled.")
     bad_words: list[NonEmptyStr] | None = Field(None, description="Extension (vLLM): words never generated "
                                                                   "(alone or after a space).")
+    return_tokens_as_token_ids: bool = Field(False, description="Extension (vLLM): logprobs name each token "
+                                                                 "'token_id:<id>' instead of its text.")
     priority: Priority = Field(0, description="Extension: lower values are scheduled first.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     min_tokens: Count = Field(0, description="Extension: no stop before this many tokens.")
