@@ -181,6 +181,8 @@ class SamplingParams:
     prompt_logprobs: None, or k >= 0: the logprob of every prompt token after the first (given
         the tokens before it) and its k most probable alternatives (at most 20). The prompt is
         then computed in full (no prefix-cache hit), chunk by chunk; not with n > 1 or best_of.
+    truncate_prompt_tokens: keep only the last k >= 1 tokens of the prompt (left truncation); -1:
+        as many as the context holds with one token left to generate; None: the whole prompt.
     kv_eviction: evict KV entries of this request under a token budget (`KVEvictionParams`, or a
         dict of it: {"policy": "streaming" | "snapkv" | "none", "budget", "sinks", "window",
         "pool"}); None takes the engine's default (`--kv-eviction`), policy "none" opts out of it.
@@ -211,6 +213,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    truncate_prompt_tokens: int | None = None
     kv_eviction: KVEvictionParams | None = None
 
     def __post_init__(self) -> None:
@@ -269,6 +272,11 @@ class SamplingParams:
             _flag(name, getattr(self, name))
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
         self._check_token_controls()
+        if self.truncate_prompt_tokens is not None:
+            allowed = "None, -1 or an integer >= 1"
+            k = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, allowed)
+            if k < 1 and k != -1:
+                raise _fail("truncate_prompt_tokens", k, allowed)
         if self.prompt_logprobs is not None:
             allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
             if not 0 <= _int("prompt_logprobs", self.prompt_logprobs, allowed) <= MAX_LOGPROBS:

@@ -712,6 +712,22 @@ def test_token_controls_decode_the_same_with_speculation_on(make_tiny):
         assert plain == spec
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(make_tiny):
+    tok = make_tiny().tokenizer
+    prompt = text_prompt(tok, 30)
+    tail = run_alone(make_tiny, prompt[-12:], SamplingParams(max_tokens=5, **GREEDY))
+    cut = run_alone(make_tiny, prompt, SamplingParams(max_tokens=5, truncate_prompt_tokens=12, **GREEDY))
+    assert cut.prompt_token_ids == prompt[-12:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    engine = make_tiny()
+    whole = run_alone(make_tiny, prompt, SamplingParams(max_tokens=2, truncate_prompt_tokens=100, **GREEDY))
+    assert whole.prompt_token_ids == prompt
+    long = [5 + i % 300 for i in range(engine.max_model_len + 50)]
+    out = run_alone(make_tiny, long, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1, **GREEDY))
+    assert out.prompt_token_ids == long[-(engine.max_model_len - 1):] and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_logprobs_match_a_full_softmax_of_the_model(make_tiny, tiny_parts):
     _, model, tok = tiny_parts
     engine = make_tiny()

@@ -174,6 +174,21 @@ def test_chat_template_options_and_prompts_without_special_tokens(tiny: LoomServ
         assert r.json()["usage"]["prompt_tokens"] == len(want), r.text
 
 
+def test_truncate_prompt_tokens(tiny: LoomServer) -> None:
+    long = "hello " * 1200
+    r = httpx.post(f"{tiny.url}/v1/completions", json={"prompt": long, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and "context" in r.text
+    for k, want in ((3, 3), (-1, None)):
+        r = httpx.post(f"{tiny.url}/v1/completions", timeout=30,
+                       json={"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": k})
+        assert r.status_code == 200, r.text
+        if want is not None:
+            assert r.json()["usage"]["prompt_tokens"] == want
+    r = httpx.post(f"{tiny.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"], r.text
+
+
 def test_tokens_as_token_ids(tiny: LoomServer) -> None:
     body = {"prompt": "hello world", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
             "ignore_eos": True}

@@ -147,6 +147,12 @@ class Engine:
         eviction = make_policy(params.kv_eviction)
         past_context = eviction is not None and not eviction.observes
         text, ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and ids:
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(ids) > keep:
+                ids = ids[-keep:]
+                text = self.tokenizer.decode(ids)   # the outputs' prompt: the text of the ids kept
         check_token_ids(ids, self.model.cfg.vocab_size, None if past_context else self.max_model_len, "prompt")
         if past_context:   # a StreamingLLM request runs as long as asked; by default a context's worth
             max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens

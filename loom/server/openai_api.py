@@ -337,7 +337,7 @@ class OpenAIServing:
             ignore_eos=body.ignore_eos, max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens, structured_outputs=_constraint(body),
             logit_bias=_logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
-            bad_words=body.bad_words,
+            bad_words=body.bad_words, truncate_prompt_tokens=body.truncate_prompt_tokens,
             kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True))
 
     # -- running a group ---------------------------------------------------------------------

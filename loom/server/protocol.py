@@ -185,6 +185,9 @@ class SamplingFields(_Request):
         None, description="Extension (vLLM): only these token ids may be sampled.")
     bad_words: list[NonEmptyStr] | None = Field(None, description="Extension (vLLM): words never generated "
                                                                   "(alone or after a space).")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = Field(
+        None, description="Extension (vLLM): keep only the prompt's last k tokens; -1: as many as the context "
+                          "holds.")
     return_tokens_as_token_ids: bool = Field(False, description="Extension (vLLM): logprobs name each token "
                                                                  "'token_id:<id>' instead of its text.")
     priority: Priority = Field(0, description="Extension: lower values are scheduled first.")
