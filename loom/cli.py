@@ -313,6 +313,10 @@ def serve(
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Log one line per request."),
+    allowed_origins: str = typer.Option("*", help="Origins whose browser pages may call the API (CORS), "
+                                                  "comma-separated; '*' every origin, '' none."),
+    allow_credentials: bool = typer.Option(False, "--allow-credentials",
+                                           help="Let cross-origin pages send cookies and credentials."),
     engine_process: bool = typer.Option(True, "--engine-process/--no-engine-process",
                                         help="Run the engine in its own process (the HTTP front end in this "
                                              "one); --no-engine-process keeps it on a thread here."),
@@ -352,12 +356,22 @@ def serve(
                                  speculative_config=_speculative(speculative_config, spec_datastore))
     front = dict(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                  max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
-                 access_log=access_log)
+                 access_log=access_log, cors=_cors(allowed_origins, allow_credentials))
     if cluster is not None:
         from loom.cluster.launch import run_cluster
 
         return run_cluster(config, cluster, **front)
     _serve_here(config, engine_process, front)
+
+
+def _cors(origins: str, credentials: bool):
+    from loom.server.limits import Cors
+
+    listed = tuple(o.strip() for o in origins.split(",") if o.strip())
+    if credentials and "*" in listed:
+        raise typer.BadParameter("credentials cannot go to every origin ('*'): name the origins",
+                                 param_hint="--allowed-origins")
+    return Cors(listed, credentials)
 
 
 def _serve_here(config, engine_process: bool, front: dict[str, Any]) -> None:

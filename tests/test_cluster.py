@@ -393,6 +393,12 @@ def test_the_api_through_the_ingress(cluster):
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1}, timeout=30)
     assert bad.status_code == 400
+    page = {"Origin": "http://page.example"}   # cross-origin: the ingress answers, once
+    pre = httpx.options(f"{url}/v1/completions", timeout=30,
+                        headers=page | {"Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200 and pre.headers.get_list("access-control-allow-origin") == ["*"]
+    posted = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=page, timeout=30)
+    assert posted.status_code == 200 and posted.headers.get_list("access-control-allow-origin") == ["*"]
     _wait(lambda: httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok", "replicas": 2}, 30,
           "/health to count both replicas")
 

@@ -39,7 +39,7 @@ from loom.cluster.forwarding import ForwardedRequest, ResponseStart, routing_tex
 from loom.cluster.metrics import cluster_exposition
 from loom.cluster.registry import routers_of
 from loom.server.errors import ENGINE_RETRY_AFTER_SECONDS, error_response
-from loom.server.limits import BodySizeLimit
+from loom.server.limits import BodySizeLimit, Cors
 from loom.server.sse import DONE, event
 
 log = logging.getLogger("loom.cluster")
@@ -54,6 +54,7 @@ class IngressSettings:
     router: str                    # the replica deployment's router name (router.ROUTERS)
     max_body_bytes: int
     max_attempts: int = 4          # sends of one request: the first, then retries elsewhere
+    cors: Cors | None = Cors()     # cross-origin access, answered here (the replicas add none)
 
 
 class _ReplicaGone(Exception):
@@ -211,4 +212,6 @@ def build_ingress_app(ingress: LoomIngress) -> FastAPI:
     async def forward(request: Request) -> Response:
         return await ingress.forward(request)
 
+    if ingress.settings.cors is not None:
+        ingress.settings.cors.install(app)
     return app

@@ -31,6 +31,7 @@ from loom.config import EngineConfig, physical_cores
 from loom.errors import LoomError
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
+from loom.server.limits import Cors
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("loom.cluster")
@@ -46,7 +47,7 @@ class _Stop(Exception):
 def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None, served_model_name: str | None = None,
                 max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                log_level: str = "info", access_log: bool = True) -> None:
+                log_level: str = "info", access_log: bool = True, cors: Cors | None = Cors()) -> None:
     """Serves `config`'s model on `cluster.replicas` Ray Serve replicas until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if log_level != "debug":
@@ -64,7 +65,7 @@ def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "12
                            max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
         serve.start(http_options={"host": host, "port": port},
                     logging_config={"log_level": "WARNING" if log_level != "debug" else "DEBUG"})
-        _deploy(build_application(spec, cluster, max_body_bytes, access_log, log_level))
+        _deploy(build_application(spec, cluster, max_body_bytes, access_log, log_level, cors))
         log.info("serving %s on http://%s:%d with %d replica(s) x %d thread(s), %s routing",
                  config.load.model, host, port, cluster.replicas, cluster.threads, cluster.router)
         while True:
@@ -80,7 +81,7 @@ def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "12
 
 
 def build_application(spec: ReplicaSpec, cluster: ClusterConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                      access_log: bool = True, log_level: str = "info"):
+                      access_log: bool = True, log_level: str = "info", cors: Cors | None = Cors()):
     """The Serve application: the ingress bound to the replica deployment."""
     logging_config = {"log_level": "DEBUG" if log_level == "debug" else "WARNING",
                       "enable_access_log": access_log}
@@ -92,7 +93,8 @@ def build_application(spec: ReplicaSpec, cluster: ClusterConfig, max_body_bytes:
     ingress = serve.deployment(serve.ingress()(LoomIngress), name="LoomIngress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=UNBOUNDED_ONGOING,
         logging_config=logging_config)
-    return ingress.bind(replicas.bind(spec), IngressSettings(router=cluster.router, max_body_bytes=max_body_bytes))
+    return ingress.bind(replicas.bind(spec), IngressSettings(router=cluster.router, max_body_bytes=max_body_bytes,
+                                                             cors=cors))
 
 
 def _raise_stop(signum: int, frame: Any) -> None:

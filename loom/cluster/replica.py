@@ -60,7 +60,8 @@ class LoomReplica:
         except LoomError as e:
             raise ReplicaLoadError(f"{type(e).__name__}: {e}") from None
         self.app = build_app(self.client, api_key=spec.api_key, served_model_name=spec.served_model_name,
-                             max_tokens_limit=spec.max_tokens_limit, max_body_bytes=spec.max_body_bytes)
+                             max_tokens_limit=spec.max_tokens_limit, max_body_bytes=spec.max_body_bytes,
+                             cors=None)   # the ingress answers cross-origin requests
         self._stack = AsyncExitStack()
         await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
         self.pid = os.getpid()

@@ -1,4 +1,5 @@
-"""ASGI middleware that refuses request bodies larger than a limit with a 413.
+"""The server's HTTP edge: `BodySizeLimit`, ASGI middleware that refuses request bodies larger
+than a limit with a 413, and `Cors`, which lets browser pages on other origins call the API.
 
 A declared ``Content-Length`` above the limit is refused before anything is read. Otherwise
 the body is read up to the limit: if it goes over, the request is refused; if not, the
@@ -8,9 +9,29 @@ notification) go to the server as usual.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loom.server.errors import error_response
+
+
+@dataclass(frozen=True)
+class Cors:
+    """Cross-origin access, as vLLM's server offers it (`--allowed-origins`, default every origin,
+    `--allow-credentials`): answers to browser pages on these origins carry the CORS headers,
+    and their preflight requests are answered before authentication. No origins: none."""
+
+    origins: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+    def install(self, app) -> None:
+        """Adds the middleware outermost (call it last): errors from the inner layers (413, 401)
+        then carry the headers too, and a browser can read them."""
+        if self.origins:
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.origins), allow_credentials=self.credentials,
+                               allow_methods=["*"], allow_headers=["*"])
 
 
 class BodySizeLimit:

@@ -49,7 +49,7 @@ from loom.server.errors import (
     ClientDisconnected,
     install_error_handlers,
 )
-from loom.server.limits import BodySizeLimit
+from loom.server.limits import BodySizeLimit, Cors
 from loom.server.logprobs import chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
@@ -744,7 +744,8 @@ def _finish_openapi(app: FastAPI, chunk_models: list[type], **limits: Any) -> No
 
 
 def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None, served_model_name: str | None = None,
-              max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              cors: Cors | None = Cors()) -> FastAPI:
     """The FastAPI app serving `engine` (an engine client, or an `AsyncEngine` to run in this
     process); the engine starts and stops with the app.
 
@@ -752,6 +753,8 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
         the file stem of a .gguf path).
     max_tokens_limit: the largest max_tokens a request may ask for (default: the context).
     max_body_bytes: larger request bodies are refused with 413.
+    cors: cross-origin access (default: every origin, as vLLM's); None leaves the headers to a
+        proxy in front (a cluster's ingress).
     """
     ae = InProcessEngineClient(engine) if isinstance(engine, AsyncEngine) else engine
     name = served_model_name or default_served_name(ae.model_name)
@@ -782,6 +785,8 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
     app.include_router(_tokenizer_router(serving, api_key))
     _add_service_routes(app, ae, metrics)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    if cors is not None:
+        cors.install(app)
     _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
                     vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
     return app

@@ -15,6 +15,7 @@ import uvicorn
 
 from loom.config import EngineConfig
 from loom.server.engine_client import engine_client
+from loom.server.limits import Cors
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
 
 
@@ -33,13 +34,13 @@ class _Server(uvicorn.Server):
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_tokens_limit: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-               access_log: bool = True, engine_process: bool = True) -> None:
+               access_log: bool = True, engine_process: bool = True, cors: Cors | None = Cors()) -> None:
     """Loads the model of `config` and serves it until interrupted (Ctrl-C / SIGTERM)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     client = engine_client(config, engine_process=engine_process, log_level=log_level)
     try:
         app = build_app(client, api_key=api_key, served_model_name=served_model_name,
-                        max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
+                        max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, cors=cors)
         server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                         access_log=access_log, timeout_graceful_shutdown=5))
         server.run()
