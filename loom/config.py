@@ -99,7 +99,7 @@ class SchedulerConfig:
 # loom serve --speculative-config '{"method": "auto"}'. Unknown keys and bad values raise
 # InvalidRequestError naming them.
 SPECULATIVE_METHODS = ("prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto",
-                      "grammar")
+                      "grammar", "prediction")
 
 
 @dataclass(frozen=True)

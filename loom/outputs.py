@@ -52,6 +52,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_draft_tokens: int = 0            # speculative draft tokens verified for the request
+    num_accepted_draft_tokens: int = 0   # ... of which the target accepted
 
 
 @dataclass

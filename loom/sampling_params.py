@@ -181,6 +181,12 @@ class SamplingParams:
     prompt_logprobs: None, or k >= 0: the logprob of every prompt token after the first (given
         the tokens before it) and its k most probable alternatives (at most 20). The prompt is
         then computed in full (no prefix-cache hit), chunk by chunk; not with n > 1 or best_of.
+    prediction: text the output is expected to mostly repeat (OpenAI's predicted outputs: code to
+        edit, a document to revise); with speculative decoding on, drafts come from it and the
+        output stays what it would be without it. Not with logprobs, penalties, token controls
+        or n > 1 / best_of, whose requests are not drafted for.
+    prediction_token_ids: the prediction's tokens; set by the engine from `prediction` (given
+        directly: drafted from as they are).
     truncate_prompt_tokens: keep only the last k >= 1 tokens of the prompt (left truncation); -1:
         as many as the context holds with one token left to generate; None: the whole prompt.
     kv_eviction: evict KV entries of this request under a token budget (`KVEvictionParams`, or a
@@ -213,6 +219,8 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    prediction: str | None = None
+    prediction_token_ids: Sequence[int] | None = None
     truncate_prompt_tokens: int | None = None
     kv_eviction: KVEvictionParams | None = None
 
@@ -272,6 +280,7 @@ class SamplingParams:
             _flag(name, getattr(self, name))
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
         self._check_token_controls()
+        self._check_prediction()
         if self.truncate_prompt_tokens is not None:
             allowed = "None, -1 or an integer >= 1"
             k = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, allowed)
@@ -329,6 +338,26 @@ class SamplingParams:
                     isinstance(q, (list, tuple)) and q and all(_is_int(t) and t >= 0 for t in q) for q in seqs):
                 raise _fail("bad_words_token_ids", seqs, allowed)
             self.bad_words_token_ids = tuple(tuple(q) for q in seqs) or None
+
+    def _check_prediction(self) -> None:
+        if self.prediction is not None and (not isinstance(self.prediction, str) or not self.prediction):
+            raise _fail("prediction", self.prediction, "None or a non-empty string")
+        ids = self.prediction_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise _fail("prediction_token_ids", ids, "None or a non-empty list of integers >= 0")
+            self.prediction_token_ids = tuple(ids)
+        if self.prediction is None and ids is None:
+            return
+        conflicts = [name for name, on in (
+            ("logprobs", self.logprobs is not None), ("n", self.n > 1), ("best_of", (self.best_of or 1) > 1),
+            ("presence_penalty", self.presence_penalty != 0), ("frequency_penalty", self.frequency_penalty != 0),
+            ("repetition_penalty", self.repetition_penalty != 1), ("logit_bias", bool(self.logit_bias)),
+            ("allowed_token_ids", bool(self.allowed_token_ids)),
+            ("bad_words", bool(self.bad_words or self.bad_words_token_ids))) if on]
+        if conflicts:
+            raise InvalidRequestError(f"prediction cannot be combined with {', '.join(conflicts)}: such requests "
+                                      f"are not drafted for")
 
     @property
     def restricts_tokens(self) -> bool:

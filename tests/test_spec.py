@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -464,6 +466,41 @@ def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, cate
         assert alone.runner.spec.stats.num_draft_tokens > 0
 
 
+@pytest.mark.real_model
+def test_greedy_outputs_with_predictions_equal_outputs_without(real_models, category_prompts):
+    """Each request predicts its own answer with a span in the middle rewritten: drafts follow
+    the prediction, leave it at the rewrite, find it again after, and change no token."""
+    prompts, want = category_prompts("auto")
+    _, tok = real_models.loom(SMOL)
+    engine = real_models.engine(SMOL, "auto", block_size=16, num_blocks=256, max_num_batched_tokens=2048,
+                                speculative_config={"method": "auto"})
+    ids = []
+    for p, w in zip(prompts, want):
+        third = len(w) // 3
+        prediction = tok.decode(w[:third]) + " something else entirely " + tok.decode(w[2 * third:])
+        ids.append(engine.add_request({"prompt_token_ids": p}, greedy().clone(prediction=prediction)))
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [final[i].outputs[0].token_ids for i in ids] == want
+    assert sum(final[i].metrics.num_accepted_draft_tokens for i in ids) > 0
+    # one stream whose whole answer is predicted: most of it comes from drafts
+    long = greedy().clone(max_tokens=48)
+    answer = run_alone_with(real_models.engine(SMOL, "auto", block_size=16, num_blocks=64), prompts[0], long)
+    alone = real_models.engine(SMOL, "auto", block_size=16, num_blocks=64, speculative_config={"method": "auto"})
+    out = run_alone_with(alone, prompts[0], long.clone(prediction=tok.decode(answer.token_ids)))
+    assert out.token_ids == answer.token_ids
+    assert out.metrics.num_accepted_draft_tokens >= 24, out.metrics
+
+
+def run_alone_with(engine: Engine, prompt: list[int], params: SamplingParams):
+    rid = engine.add_request({"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished and o.request_id == rid:
+                return type("Out", (), {"token_ids": o.outputs[0].token_ids, "metrics": o.metrics})
+
+
 def test_cost_model_never_estimates_zero_or_below_the_plain_pass():
     from loom.speculative.controller import CostModel
 
@@ -589,3 +626,97 @@ def test_the_search_backs_off_further_while_its_plans_keep_drafting_nothing():
     for _ in range(30):
         ctl.cost.observe(1, 8, 0.0101)      # drafts became almost free: found within IDLE_MAX steps
     assert any(sum(ctl.plan(["a"], 1, [8], 0.0)) > 1 for _ in range(IDLE_MAX))
+
+
+# =============================================================================================
+# Predicted outputs
+# =============================================================================================
+
+
+def test_prediction_index_follows_the_output_forward():
+    from loom.speculative.drafters.prediction import _Index
+
+    pred = (5, 6, 7, 8, 5, 6, 9, 10)
+    index = _Index(pred, 1, 3)
+    assert index.follow([], 3, 1, 3) == [5, 6, 7]               # nothing written yet: the start
+    assert index.follow([5, 6, 7], 2, 1, 3) == [8, 5]
+    assert index.follow([5, 6, 7, 8, 5, 6], 3, 1, 3) == [9, 10]  # the later "5 6": past the cursor
+    assert index.follow([1, 2], 2, 1, 3) == []                   # no tail n-gram in the prediction
+    again = _Index(pred, 1, 3)
+    assert again.follow([42, 6], 2, 1, 3) == [7, 8]               # left the prediction, back at "6"
+
+
+def test_a_prediction_drafts_without_changing_the_greedy_output(tiny_parts):
+    _, _, tok = tiny_parts
+    prompt = [tok.encode("the cat sat on the mat and then the cat")]
+    plain = run(tiny_engine(tiny_parts), prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    truth = tok.decode(plain.token_ids)
+    half = tok.decode(plain.token_ids[:8]) + " and something else " + tok.decode(plain.token_ids[12:])
+    for method in ("prediction", "auto", "prompt_lookup"):
+        for prediction, most in ((truth, True), (half, False), ("unrelated words here", False)):
+            engine = tiny_engine(tiny_parts, {"method": method, "adaptive": False})
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prediction=prediction)
+            rid = engine.add_request({"prompt_token_ids": prompt[0]}, params)
+            out = None
+            while engine.has_unfinished_requests():
+                out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+            assert out.outputs[0].token_ids == plain.token_ids, (method, prediction)
+            m = out.metrics
+            assert 0 <= m.num_accepted_draft_tokens <= m.num_draft_tokens
+            if most:   # the prediction is the answer: most of it is accepted
+                assert m.num_accepted_draft_tokens >= 12, (method, m)
+            engine.kv.check_integrity()
+
+
+def test_a_prediction_is_refused_without_speculation_or_with_what_is_not_drafted(tiny_parts):
+    with pytest.raises(InvalidRequestError, match="needs speculative decoding"):
+        tiny_engine(tiny_parts).add_request("hello", SamplingParams(prediction="hello world"))
+    for bad, field in (({"logprobs": 2}, "logprobs"), ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence"),
+                       ({"logit_bias": {3: 1.0}}, "logit_bias")):
+        with pytest.raises(InvalidRequestError, match=f"prediction cannot be combined with {field}"):
+            SamplingParams(prediction="x", **bad)
+    with pytest.raises(InvalidRequestError, match="prediction must be"):
+        SamplingParams(prediction="")
+    engine = tiny_engine(tiny_parts, {"method": "auto"})
+    with pytest.raises(InvalidRequestError, match="prediction token ids"):
+        engine.add_request("hello", SamplingParams(prediction_token_ids=[engine.model.cfg.vocab_size]))
+
+
+def test_prediction_on_the_server_reports_its_accepted_and_rejected_tokens(tiny_parts):
+    from fastapi.testclient import TestClient
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.server.openai_api import build_app
+
+    body = {"prompt": "the cat sat on the mat", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with TestClient(build_app(AsyncEngine(tiny_engine(tiny_parts)), served_model_name="tiny")) as http:
+        r = http.post("/v1/completions", json=body | {"prediction": {"type": "content", "content": "x"}})
+        assert r.status_code == 400 and "needs speculative decoding" in r.text
+        plain = http.post("/v1/completions", json=body).json()
+        assert "completion_tokens_details" not in plain["usage"]
+    spec = tiny_engine(tiny_parts, {"method": "auto", "adaptive": False})
+    with TestClient(build_app(AsyncEngine(spec), served_model_name="tiny")) as http:
+        text = plain["choices"][0]["text"]
+        done = http.post("/v1/completions", json=body | {"prediction": {"type": "content", "content": text}}).json()
+        assert done["choices"][0]["text"] == text
+        details = done["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] >= 8 and details["rejected_prediction_tokens"] >= 0
+        parts = {"type": "content", "content": [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]}
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_completion_tokens": 4, "prediction": parts,
+                                                       "stream": True, "stream_options": {"include_usage": True}})
+        usage = [json.loads(line[6:]) for line in chat.text.splitlines() if line.startswith("data: {")][-1]["usage"]
+        assert set(usage["completion_tokens_details"]) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
+        bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "prediction": {"type": "text", "content": "x"}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("prediction")
+
+
+def test_a_small_kv_cache_keeps_the_contexts_it_can_hold():
+    from loom.speculative.calibration import Grid
+
+    small = Grid.fitting(context_length=8192, max_num_seqs=16, max_drafts=8, num_blocks=64, block_size=16)
+    assert small.contexts == (64,) and small.batches == (1, 2, 4, 8) and small.points()
+    full = Grid.fitting(context_length=8192, max_num_seqs=16, max_drafts=8, num_blocks=2048, block_size=16)
+    assert full.contexts == (64, 1024) and full.batches == (1, 2, 4, 8, 16)
+    assert not Grid.fitting(context_length=8192, max_num_seqs=16, max_drafts=8, num_blocks=4, block_size=16).points()

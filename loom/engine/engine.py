@@ -141,6 +141,8 @@ class Engine:
             self.structured.compile(params.structured_outputs)
         if params.restricts_tokens:
             params = token_controls(params, self.tokenizer, self.model.cfg.vocab_size)
+        if params.prediction is not None or params.prediction_token_ids is not None:
+            params = self._with_prediction(params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         params = self._with_eviction(params, fanout)
@@ -178,6 +180,20 @@ class Engine:
         else:
             self.outputs[rid] = OutputState(req, self.tokenizer)
         return rid
+
+    def _with_prediction(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its prediction tokenized; a prediction needs speculative decoding on."""
+        if self.spec is None:
+            raise InvalidRequestError("prediction speeds decoding up by drafting from it, which needs speculative "
+                                      "decoding: start loom with a speculative_config (e.g. --speculative-config "
+                                      "'{\"method\": \"auto\"}')")
+        ids = params.prediction_token_ids
+        if ids is None:
+            ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+            if not ids:
+                raise InvalidRequestError("prediction tokenizes to nothing")
+        check_token_ids(list(ids), self.model.cfg.vocab_size, None, "prediction")
+        return params.clone(prediction_token_ids=ids)
 
     def _with_eviction(self, params: SamplingParams, fanout) -> SamplingParams:
         """`params` with the KV eviction the request gets: its own, else the engine's default

@@ -306,6 +306,8 @@ class Scheduler:
             tokens = result.sampled.get(seq.req_id)
             if seq.draft_parents:  # the accepted drafts are computed, the rest rolled back
                 req.num_computed_tokens -= len(seq.draft_parents) - (len(tokens) - 1)
+                req.metrics.num_draft_tokens += len(seq.draft_parents)
+                req.metrics.num_accepted_draft_tokens += len(tokens) - 1
                 self.kv.trim(req.request_id, req.num_computed_tokens)
             if not tokens:
                 continue

@@ -71,6 +71,7 @@ from loom.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -338,6 +339,7 @@ class OpenAIServing:
             skip_special_tokens=body.skip_special_tokens, structured_outputs=_constraint(body),
             logit_bias=_logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words, truncate_prompt_tokens=body.truncate_prompt_tokens,
+            prediction=None if body.prediction is None else body.prediction.text,
             kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True))
 
     # -- running a group ---------------------------------------------------------------------
@@ -372,14 +374,22 @@ class OpenAIServing:
         for group in list(self.open_streams):
             group.stop()
 
-    def usage(self, finals: list[RequestOutput | None], n: int) -> UsageInfo:
-        """Prompt tokens count once per prompt (its first choice), completion tokens per choice."""
+    def usage(self, finals: list[RequestOutput | None], n: int, predicted: bool = False) -> UsageInfo:
+        """Prompt tokens count once per prompt (its first choice), completion tokens per choice;
+        with a prediction, its draft tokens accepted and rejected."""
         firsts = [finals[i] for i in range(0, len(finals), n)]
         prompt = sum(len(f.prompt_token_ids) for f in firsts if f is not None)
         cached = sum(f.num_cached_tokens for f in firsts if f is not None)
         completion = sum(len(f.outputs[0].token_ids) for f in finals if f is not None)
+        details = None
+        if predicted:
+            ms = [f.metrics for f in finals if f is not None and f.metrics is not None]
+            accepted = sum(m.num_accepted_draft_tokens for m in ms)
+            details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                              rejected_prediction_tokens=sum(m.num_draft_tokens for m in ms) - accepted)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                         completion_tokens_details=details)
 
     # -- completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
@@ -411,7 +421,7 @@ class OpenAIServing:
             events = self._completion_events(group, body, rid, created, echoes, include_usage, score_only)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
-        usage, per, extension = self.usage(finals, body.n), body.n, None
+        usage, per, extension = self.usage(finals, body.n, body.prediction is not None), body.n, None
         if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
             (finals, extension), per = plan.aggregate(group.prompt_choices()), 1
         choices, as_ids = [], body.return_tokens_as_token_ids
@@ -436,7 +446,7 @@ class OpenAIServing:
     async def _stream(self, group: ChoiceGroup, n: int, include_usage: str | None,
                       dump: Callable[[list, UsageInfo | None], dict[str, Any]],
                       choice_of: Callable[[int, RequestOutput], Any],
-                      opening: Sequence[list] = ()) -> AsyncIterator[str]:
+                      opening: Sequence[list] = (), predicted: bool = False) -> AsyncIterator[str]:
         """The one SSE loop of both endpoints: `opening` chunks first, then per output of the
         group the chunk choice `choice_of(index, output)` builds (None: nothing to send yet),
         the usage chunk when asked (`include_usage` from `_usage_mode`; "continuous": every
@@ -460,7 +470,7 @@ class OpenAIServing:
                 if choice is not None:
                     yield chunk([choice], _choice_usage(out) if include_usage == CONTINUOUS_USAGE else None)
             if include_usage:
-                yield chunk([], self.usage(finals, n))
+                yield chunk([], self.usage(finals, n, predicted))
             yield DONE
         except ClientDisconnected:
             return
@@ -505,7 +515,7 @@ class OpenAIServing:
                                     finish_reason=c.finish_reason if out.finished else None,
                                     stop_reason=c.stop_reason if out.finished else None)
 
-        return self._stream(group, body.n, include_usage, dump, choice_of)
+        return self._stream(group, body.n, include_usage, dump, choice_of, predicted=body.prediction is not None)
 
     # -- chat completions ----------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
@@ -534,7 +544,7 @@ class OpenAIServing:
             events = self._chat_events(group, body, rid, created, top_k, include_usage, tools)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
-        usage, extension = self.usage(finals, body.n), None
+        usage, extension = self.usage(finals, body.n, body.prediction is not None), None
         if plan is not None and plan.aggregator is not None:  # one chosen answer
             finals, extension = plan.aggregate(group.prompt_choices())
         choices, as_ids = [], body.return_tokens_as_token_ids
@@ -607,7 +617,7 @@ class OpenAIServing:
 
         roles = [[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                  for i in range(group.size)]
-        return self._stream(group, body.n, include_usage, dump, choice_of, roles)
+        return self._stream(group, body.n, include_usage, dump, choice_of, roles, body.prediction is not None)
 
     @staticmethod
     def _stream_error(e: Exception) -> str:

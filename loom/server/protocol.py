@@ -83,6 +83,22 @@ class ErrorResponse(_Response):
 # -- shared request fields -----------------------------------------------------------------------
 
 
+class PredictionPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Request):
+    """OpenAI's predicted output: text the answer will mostly repeat."""
+
+    type: Literal["content"]
+    content: Annotated[str, Field(min_length=1)] | Annotated[list[PredictionPart], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     # vLLM's extension: with include_usage, every chunk also carries its choice's usage so far
@@ -185,6 +201,9 @@ class SamplingFields(_Request):
         None, description="Extension (vLLM): only these token ids may be sampled.")
     bad_words: list[NonEmptyStr] | None = Field(None, description="Extension (vLLM): words never generated "
                                                                   "(alone or after a space).")
+    prediction: Prediction | None = Field(None, description="Text the output will mostly repeat (code to edit): "
+                                                           "drafted from where the server runs speculative "
+                                                           "decoding; the output is the same without it.")
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = Field(
         None, description="Extension (vLLM): keep only the prompt's last k tokens; -1: as many as the context "
                           "holds.")
@@ -253,11 +272,17 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    accepted_prediction_tokens: int = 0   # draft tokens from the prediction the model accepted
+    rejected_prediction_tokens: int = 0   # ... and rejected (computed, then discarded)
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=_unset)
 
 
 class LoomChild(_Response):

@@ -66,8 +66,10 @@ class Grid:
     def fitting(cls, context_length: int, max_num_seqs: int, max_drafts: int, num_blocks: int,
                 block_size: int) -> "Grid":
         """The grid's points that fit the model's context, the batch and draft limits and the
-        KV cache (the largest batch at the longest context must fit at once)."""
-        ctxs = tuple(n for n in CONTEXTS if n + max(DRAFTS) + 1 <= context_length)
+        KV cache (the largest batch at the longest context must fit at once; a context one
+        sequence cannot hold is left out, the shorter ones kept)."""
+        ctxs = tuple(n for n in CONTEXTS if n + max(DRAFTS) + 1 <= context_length
+                     and -(-(n + max(DRAFTS) + 1) // block_size) <= num_blocks)
         per_seq = -(-(max(ctxs, default=0) + max(DRAFTS) + 1) // block_size)
         batches = tuple(b for b in BATCHES if b <= max_num_seqs and b * per_seq <= num_blocks)
         return cls(ctxs, batches, tuple(k for k in DRAFTS if k <= max_drafts))

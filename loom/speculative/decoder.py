@@ -76,6 +76,8 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, env: DraftEnv):
         self.config, self.env = config, env
         self.drafter = DRAFTERS[config.method](config, env)
+        # a request that brings a predicted output drafts from it alone, whatever the method
+        self.predicted = self.drafter if config.method == "prediction" else DRAFTERS["prediction"](config, env)
         self.controller = SpecController(config.num_speculative_tokens, self.drafter.depth, config.adaptive)
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._turn = 0       # which sequences of a large plain batch feed the drafter next
@@ -83,6 +85,7 @@ class SpecDecoder:
 
     def finish(self, req_id: str) -> None:
         self.drafter.finish(req_id)
+        self.predicted.finish(req_id)
         self.controller.finish(req_id)
 
     # -- cost ---------------------------------------------------------------------------
@@ -248,13 +251,26 @@ class SpecDecoder:
         for rid, k in zip(cands, sizes):
             if k:
                 st = host.request(rid)
-                reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k, st.matcher))
+                reqs.append(DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, k, st.matcher,
+                                         len(st.prompt_token_ids), st.params.prediction_token_ids))
         if not reqs:
             return {}
         t0 = time.perf_counter()
-        trees = self.drafter.propose(reqs)
+        trees = self._drafts(reqs)
         self._overhead("propose", (time.perf_counter() - t0) / len(reqs))
         return {r.req_id: t.cut(r.budget) for r, t in zip(reqs, trees) if t is not None and len(t)}
+
+    def _drafts(self, reqs: list[DraftRequest]) -> list[DraftTree | None]:
+        """Each request's tree: from its prediction where it brings one, else from the drafter."""
+        if self.predicted is self.drafter or not any(r.prediction for r in reqs):
+            return self.drafter.propose(reqs)
+        trees: list[DraftTree | None] = [None] * len(reqs)
+        for group, drafter in (([i for i, r in enumerate(reqs) if r.prediction], self.predicted),
+                               ([i for i, r in enumerate(reqs) if not r.prediction], self.drafter)):
+            if group:
+                for i, tree in zip(group, drafter.propose([reqs[i] for i in group])):
+                    trees[i] = tree
+        return trees
 
     def _candidates(self, host: SpecHost, seqs: list[ScheduledSeq]) -> tuple[list[str], list[int], list[int]]:
         """The sequences that may draft, their node caps, and the tokens each may still generate."""

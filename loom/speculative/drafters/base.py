@@ -40,6 +40,8 @@ class DraftRequest:
     token_ids: list[int]    # committed tokens: prompt + output
     budget: int             # most nodes the tree may have (>= 1)
     grammar: Any = None     # its GrammarMatcher (structured output), to read, never to advance
+    prompt_len: int = 0     # token_ids[:prompt_len] is the prompt, the rest the output so far
+    prediction: tuple[int, ...] | None = None   # the request's predicted output (drafters/prediction.py)
 
 
 @dataclass(frozen=True)
