@@ -680,6 +680,8 @@ def test_a_prediction_is_refused_without_speculation_or_with_what_is_not_drafted
     engine = tiny_engine(tiny_parts, {"method": "auto"})
     with pytest.raises(InvalidRequestError, match="prediction token ids"):
         engine.add_request("hello", SamplingParams(prediction_token_ids=[engine.model.cfg.vocab_size]))
+    with pytest.raises(InvalidRequestError, match="longer than the context limit"):
+        engine.add_request("hello", SamplingParams(prediction_token_ids=[5] * (engine.max_model_len + 1)))
 
 
 def test_prediction_on_the_server_reports_its_accepted_and_rejected_tokens(tiny_parts):

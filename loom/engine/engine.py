@@ -193,6 +193,9 @@ class Engine:
             if not ids:
                 raise InvalidRequestError("prediction tokenizes to nothing")
         check_token_ids(list(ids), self.model.cfg.vocab_size, None, "prediction")
+        if len(ids) > self.max_model_len:   # an output cannot be longer; its n-gram index stays bounded
+            raise InvalidRequestError(f"prediction is {len(ids)} tokens, longer than the context limit of "
+                                      f"{self.max_model_len}")
         return params.clone(prediction_token_ids=ids)
 
     def _with_eviction(self, params: SamplingParams, fanout) -> SamplingParams:
