@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from typing import Sequence
 
 import psutil
@@ -42,13 +43,6 @@ def kv_cache_format(choice: str, model) -> KVFormat:
     "auto" is float16 where loom's kernels read the cache (half the memory traffic of
     attention), float32 in the exact mode, which must match the reference bit for bit."""
     return kv_format(choice, kernels=getattr(model, "kern", None) is not None, head_dim=model.cfg.head_dim)
-
-
-def _iterable(value) -> list:
-    try:
-        return list(value)
-    except TypeError:
-        return [None]
 
 
 def _integer(value) -> bool:
@@ -302,7 +296,7 @@ class Engine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if isinstance(ids, (str, bytes)) or not all(_integer(t) for t in _iterable(ids)):
+                if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not all(map(_integer, ids)):
                     raise InvalidRequestError(f"prompt_token_ids must be a list of token ids (integers), "
                                               f"got {ids!r:.60}")
                 return prompt.get("prompt"), [int(t) for t in ids]
