@@ -12,7 +12,9 @@ whole context, so drafts cost more, relative to plain decoding, in long contexts
 
 Gain. Each sequence has a per-depth acceptance rate `a` (accepted nodes / tried depths,
 decayed over recent steps, starting from the average over all sequences). A tree of k
-nodes reaching depth D(k) is expected to add sum_{d=1..D(k)} a^d tokens.
+nodes reaching depth D(k) is expected to add sum_{d=1..D(k)} a^d tokens. A sequence that
+brings its own draft source (a predicted output) starts from PREDICTION_RATE instead, and
+its steps stay out of the average the others start from.
 
 Choice. Increments (one more depth for one sequence, the one that gains the most per
 node first) are taken in order; the step's objective is tokens per second,
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 DECAY = 0.8            # weight of the older acceptance evidence per step
 PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0
+PREDICTION_RATE = 0.8  # the starting rate of a sequence drafting from its predicted output
 PROBE_EVERY = 16
 PATIENCE = 8           # increments without a better objective (at least; one per sequence) before the search stops
 IDLE_REPLAN = 4        # after a plan without drafts, the next full plan at that batch size is 4 steps on
@@ -176,6 +179,7 @@ class _Rate:
     hits: float = 0.0
     tries: float = 0.0
     idle: int = 0          # steps since this sequence last drafted
+    prior: float | None = None   # its own starting rate (a predicted output), else the average's
 
 
 class SpecController:
@@ -200,17 +204,29 @@ class SpecController:
         prior = (self.total.hits + PRIOR_RATE * PRIOR_WEIGHT) / (self.total.tries + PRIOR_WEIGHT)
         if r is None:
             return prior
+        if r.prior is not None:
+            prior = r.prior
         return (r.hits + prior * PRIOR_WEIGHT) / (r.tries + PRIOR_WEIGHT)
+
+    def predicted(self, req_id: str) -> None:
+        """The sequence drafts from its own predicted output: its rate starts from
+        PREDICTION_RATE, and its steps stay out of the average other sequences start from."""
+        self._rate(req_id).prior = PREDICTION_RATE
 
     def record(self, req_id: str, accepted: int, max_depth: int) -> None:
         """A verified tree of depth `max_depth` gave `accepted` nodes."""
         tries = accepted + (1 if accepted < max_depth else 0)
-        for r in (self._rate(req_id), self.total):
+        own = self._rate(req_id)
+        for r in (own, self.total) if own.prior is None else (own,):
             r.hits = DECAY * r.hits + accepted
             r.tries = DECAY * r.tries + tries
 
     def finish(self, req_id: str) -> None:
         self.rates.pop(req_id, None)
+
+    def wake(self, batch: int) -> None:
+        """The next plan at this batch size searches, whatever the last ones found."""
+        self._idle_plans[batch] = 0
 
     def idle(self, batch: int) -> bool:
         """Whether the next plan at this batch size skips its search (the last drafted nothing)."""

@@ -233,6 +233,11 @@ class SpecDecoder:
 
     def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int = 0) -> dict[str, DraftTree]:
         context = sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
+        predicting = [s.req_id for s in seqs if host.request(s.req_id).params.prediction_token_ids]
+        for rid in predicting:
+            self.controller.predicted(rid)
+        if predicting:   # a predicted output may pay where the others' drafts did not: plan anew
+            self.controller.wake(batch)
         if self.controller.idle(batch):
             # the controller skips its search at this batch size: only the probes due may draft,
             # one node each (this path is most steps of a batch where drafting does not pay)
