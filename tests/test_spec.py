@@ -722,3 +722,21 @@ def test_a_small_kv_cache_keeps_the_contexts_it_can_hold():
     full = Grid.fitting(context_length=8192, max_num_seqs=16, max_drafts=8, num_blocks=2048, block_size=16)
     assert full.contexts == (64, 1024) and full.batches == (1, 2, 4, 8, 16)
     assert not Grid.fitting(context_length=8192, max_num_seqs=16, max_drafts=8, num_blocks=4, block_size=16).points()
+
+
+def test_a_predicted_request_has_its_own_starting_rate_and_wakes_an_idle_batch():
+    from loom.speculative.controller import PREDICTION_RATE
+
+    ctl = SpecController(4, lambda k: k)
+    for _ in range(6):
+        ctl.record("plain", 0, 2)           # drafts that never pay: the average falls
+    low = ctl.rate("new")
+    ctl.predicted("pred")
+    assert ctl.rate("pred") == pytest.approx(PREDICTION_RATE) and low < 0.2
+    for _ in range(6):
+        ctl.record("pred", 4, 4)            # its own steps: they leave the average alone
+    assert ctl.rate("new") == pytest.approx(low) and ctl.rate("pred") > PREDICTION_RATE
+    ctl._idle_plans[8] = 5
+    assert ctl.idle(8)
+    ctl.wake(8)
+    assert not ctl.idle(8)
