@@ -206,6 +206,13 @@ def _tail(log: IO[bytes], lines: int = 1) -> str:
     return " | ".join(text[-lines:]) if text else "(no output)"
 
 
+def _default_sigint() -> None:
+    """In the server's process, before it runs: SIGINT back to its default. A command started in
+    the background by a shell (`nohup ... &`, CI runners) inherits SIGINT ignored, and so would
+    the server, which then sat out `stop`'s wait until SIGKILL (30 s a server)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class LocalServer:
     """One started server: ``with LocalServer(name, launch, url) as s:`` waits until ``/health``
     answers 200 (`start_seconds` from launch), and on exit stops its process group (SIGINT, then
@@ -223,7 +230,7 @@ class LocalServer:
         try:
             self.proc = subprocess.Popen(self.launch.argv, stdin=subprocess.DEVNULL, stdout=self._log,
                                          stderr=subprocess.STDOUT, env={**os.environ, **self.launch.env},
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_default_sigint)
         except OSError as e:
             raise BenchError(f"{self.name}: cannot start {self.launch.argv[0]}: {e}") from None
         try:
