@@ -919,7 +919,7 @@ void attn_impl(PagedAttn<C> a) {
     for (int64_t r = a.group_start[g]; r < a.group_start[g + 1]; ++r) {
       lo = std::min(lo, a.first(r));
       maxL = std::max(maxL, a.ctx[r]);
-      work_total += G * a.D * (a.ctx[r] - a.first(r));
+      work_total += a.H * a.D * (a.ctx[r] - a.first(r));   // every kv head's G queries
     }
     first_part[g] = lo / SPLIT;
     end_part[g] = (maxL + SPLIT - 1) / SPLIT;
@@ -930,8 +930,16 @@ void attn_impl(PagedAttn<C> a) {
   a.PS = PART_O + a.D;
   a.part_row0 = 0;
   const int64_t items = (int64_t)parts.size() * a.Hkv;
+  // Little work (a short context, one row) stays on one thread. Otherwise a chunk is at least
+  // ~1<<17 of work, but a thread gets at least 4 chunks: with a few items of unequal size (a
+  // context's last part holds a few keys), one whole-range chunk per thread had left one thread
+  // all the full parts. SmolLM2, one row, two threads: 15-21 us at 257 keys and 27-38 at 513
+  // before this split, 12 and 16 us with it (benchmarks/attn_chain.py).
   const int64_t per_item = std::max<int64_t>(1, work_total / std::max<int64_t>(1, items));
-  const int64_t grain = std::max<int64_t>(1, (1 << 17) / per_item);  // small batches stay on one thread
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t grain = work_total < (1 << 17)
+                            ? std::max<int64_t>(1, items)
+                            : std::max<int64_t>(1, std::min(items / (4 * threads), (1 << 17) / per_item));
   if (R * a.H * a.NP * a.PS * (int64_t)sizeof(float) <= PARTIALS_MAX) {
     thread_local std::vector<float> part_mem;   // reused across calls: no allocation on the hot path
     part_mem.resize(R * a.H * a.NP * a.PS + 16);
