@@ -40,7 +40,7 @@ serve: install
 
 # The whole suite with the CPU's preferred kernels, then the kernel and invariance tests again
 # with every other variant it runs (LOOM_KERNELS=avx2 on an AVX-512 machine).
-VARIANT_TESTS ?= tests/test_kernels.py tests/test_engine.py tests/test_spec.py
+VARIANT_TESTS ?= tests/test_kernels.py tests/test_engine.py tests/test_spec.py tests/test_sampler.py
 
 test: models browser
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from loom import kernels
 from loom.errors import InvalidRequestError
 from loom.sample import (
     Sampler,
@@ -27,10 +28,29 @@ def random_logits(rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) 
     return torch.randn(rows, vocab, generator=g) * scale
 
 
+# Every sampler test runs on both implementations of step 5 and the draw: torch's ops and the
+# compiled kernels' sample_rows (loom_kernels_sample.h), which the engine uses where they run.
+BACKEND = {"kernels": None}
+
+
+@pytest.fixture(autouse=True, params=["torch", "kernels"])
+def backend(request):
+    if request.param == "kernels":
+        module = kernels.load()
+        assert module is not None, f"loom's kernels did not load: {kernels.unavailable_reason()}"
+        BACKEND["kernels"] = module
+    yield request.param
+    BACKEND["kernels"] = None
+
+
+def make_sampler(seed: int | None = 0) -> Sampler:
+    return Sampler(seed, kernels=BACKEND["kernels"])
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0, **build_args):
     """Sample a copy of `logits` (the sampler may modify its input)."""
     batch = SamplingBatch.build(params, **build_args)
-    return Sampler(seed)(logits.clone(), batch)
+    return make_sampler(seed)(logits.clone(), batch)
 
 
 # ---------------------------------------------------------------- SamplingParams
@@ -287,7 +307,7 @@ def test_seeded_row_is_independent_of_the_batch(seeded):
     logits = random_logits(steps, scale=1.0, seed=9)
 
     alone_gen = request_generator(seeded)
-    alone_sampler = Sampler(0)
+    alone_sampler = make_sampler(0)
     alone_batch = SamplingBatch.build([seeded], [alone_gen], prompt_ids=[[1, 2, 3]], output_ids=[[4, 5, 4]])
     alone = [int(alone_sampler(logits[s:s + 1].clone(), alone_batch).token_ids[0]) for s in range(steps)]
 
@@ -298,7 +318,7 @@ def test_seeded_row_is_independent_of_the_batch(seeded):
                     SamplingParams(logprobs=3), SamplingParams(temperature=2.0, seed=5, top_k=100)]
     other_gens = [request_generator(p) for p in other_params]
     in_batch_gen = request_generator(seeded)
-    batch_sampler = Sampler(123)
+    batch_sampler = make_sampler(123)
     in_batch = []
     for s in range(steps):
         index = int(torch.randint(0, others + 1, (1,), generator=pick))
@@ -320,7 +340,7 @@ def test_seeded_rows_differ_by_seed():
     for seed in (1, 2):
         p = SamplingParams(seed=seed)
         batch = SamplingBatch.build([p], [request_generator(p)])
-        sampler = Sampler(0)
+        sampler = make_sampler(0)
         tokens.append([int(sampler(logits.clone(), batch).token_ids[0]) for _ in range(10)])
     assert tokens[0] != tokens[1]
 
@@ -506,5 +526,71 @@ def test_a_penalty_that_rounds_to_zero_still_draws_a_real_token():
     params = [SamplingParams(repetition_penalty=5e-324, seed=1), SamplingParams(repetition_penalty=1e300, seed=2)]
     batch = SamplingBatch.build(params, generators=[request_generator(p) for p in params],
                                 prompt_ids=[[7, 9], [7, 9]], output_ids=[[], []], banned=[(), ()])
-    tokens = Sampler(0)(logits, batch).token_ids.tolist()
+    tokens = make_sampler(0)(logits, batch).token_ids.tolist()
     assert tokens[0] in (7, 9) and 0 <= tokens[1] < 300
+
+
+# ---------------------------------------------------------------- the kernels' sample_rows
+
+KERNEL_CASES = [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=0.8, top_k=40),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=40, top_p=0.9),
+    SamplingParams(temperature=0.7, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=700, top_p=0.99, min_p=0.01),
+    SamplingParams(temperature=4.0, top_p=0.98),     # a wide nucleus: the bucketed search
+    SamplingParams(temperature=0.5, top_p=0.3),      # a nucleus of one or two tokens
+]
+
+
+def native_distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    batch = SamplingBatch.build(params)
+    return Sampler(0, kernels=kernels.load()).distribution(logits.clone(), batch, torch.arange(len(params)))
+
+
+def torch_distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    probs = Sampler.probs(logits.clone(), SamplingBatch.build(params), torch.arange(len(params)))
+    return probs / probs.sum(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("vocab", [1001, 49152])
+@pytest.mark.parametrize("params", KERNEL_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_kernel_distribution_matches_torch(vocab, params):
+    logits = random_logits(3, vocab, seed=vocab)
+    logits[0, 7] = float("-inf")          # a banned token
+    logits[1, : vocab // 2] = float("-inf")
+    logits[2, 3] = float("nan")
+    expected, got = torch_distribution(logits, [params] * 3), native_distribution(logits, [params] * 3)
+    assert torch.equal(expected > 0, got > 0)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(got.double().sum(dim=1), torch.ones(3, dtype=torch.float64))
+
+
+def test_kernel_keeps_torch_tie_order_at_the_nucleus_end():
+    # four equal tokens across the cut: torch's stable ascending sort drops the lower ids first
+    row = torch.full((1, 64), -30.0)
+    row[0, 0] = 2.0
+    row[0, [10, 20, 30, 40]] = 1.0
+    params = [SamplingParams(temperature=1.0, top_p=0.75)]
+    expected, got = torch_distribution(row, params), native_distribution(row, params)
+    kept = set((got[0] > 0).nonzero().squeeze(1).tolist())
+    assert kept == set((expected[0] > 0).nonzero().squeeze(1).tolist())
+    assert 0 in kept and 1 < len(kept) < 5 and 40 in kept and 10 not in kept
+
+
+def test_kernel_top_k_keeps_ties_with_the_kth():
+    row = torch.zeros(1, 100)
+    row[0, :5] = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0])
+    got = native_distribution(row, [SamplingParams(temperature=1.0, top_k=3)])
+    assert set((got[0] > 0).nonzero().squeeze(1).tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_kernel_draws_follow_the_distribution():
+    draws = 20000
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 1.5, 0.2] + [-40.0] * 9)   # 17: a vector and a tail
+    params = [SamplingParams(temperature=0.9)] * draws
+    out = Sampler(3, kernels=kernels.load())(row.expand(draws, -1).contiguous(), SamplingBatch.build(params))
+    observed = torch.bincount(out.token_ids, minlength=17).double()[:8]
+    expected = (row[:8].double() / 0.9).softmax(dim=0) * draws
+    assert float(((observed - expected) ** 2 / expected).sum()) < CHI2_7_999

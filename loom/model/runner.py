@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from loom import kernels
 from loom.contracts import (GRAMMAR_DEAD_END, NO_ALLOWED_TOKEN, DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput,
                             SpecHost, TokenLogprobs)
 from loom.kv.eviction import EvictionPolicy, make_policy, positions_tensor
@@ -97,7 +98,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.stop_token_ids = stop_token_ids
         self.kv = KVCacheTensors(model.cfg, num_blocks * block_size, kv_dtype)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, kernels=kernels.load())
         self.states: dict[str, _ReqState] = {}
         self.spec = spec
         self.structured = structured   # compiles constraints into per-request grammar matchers
@@ -267,7 +268,7 @@ class ModelRunner:
     def _probs(self, logits: torch.Tensor, req_id: str) -> torch.Tensor:
         """One request's sampling distribution at each of `logits`' rows [R, V]."""
         batch = self.sampling_batch([req_id] * logits.shape[0])
-        return self.sampler.probs(logits.clone(), batch, torch.arange(logits.shape[0]))
+        return self.sampler.distribution(logits.clone(), batch, torch.arange(logits.shape[0]))
 
     def sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
         states = [self.states[r] for r in req_ids]

@@ -19,6 +19,12 @@ The runner computes logits only for the positions it samples, one row per row of
    picked). One random number per row instead of one per vocabulary entry: drawing 49k
    exponentials cost ~1.3 ms a row.
 
+Where loom's kernels run, step 5 and the draw are their `sample_rows` (loom_kernels_sample.h):
+the same stages and tie rules in a few passes over each row, its sums in float64, top-p sorting
+only the entries near the nucleus' end instead of the whole row. It agrees with the torch ops
+here up to rounding (tests/test_sampler.py runs every test on both); on Gemma 3's 262k-token
+rows it made a 32-row top-p step ~40x cheaper than torch's full sort (500 ms -> 12 ms).
+
 Every stage works on whole rows at once, and only on the rows that use it. The uniform
 of a row with its own generator is drawn from that generator alone, one per step, and
 every stage computes each row independently of the others, so a seeded request samples
@@ -369,15 +375,18 @@ class Sampler:
     """Chooses the next token of every row of a batch; see the module docstring.
 
     `seed` seeds the generator shared by rows without their own (None: seeded from
-    system entropy).
+    system entropy). `kernels`: loom's compiled kernel module, whose `sample_rows` then
+    runs step 5 and the draw (the same stages in a few passes over each row; see
+    loom_kernels_sample.h); without it, torch ops do.
     """
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, kernels=None):
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.kernels = kernels if kernels is not None and hasattr(kernels, "sample_rows") else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of `logits` [S, V]; float32 logits are modified in place."""
@@ -436,9 +445,29 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
         """Draw one token for each row of `logits`, which are the batch's `rows`."""
-        probs = self.probs(logits, batch, rows)
         u = self._uniforms([batch.generators[i] for i in rows.tolist()])
-        return draw(probs, u)
+        if self._native(logits):
+            return self.kernels.sample_rows(logits, *self._filters(batch, rows), u, True)
+        return draw(self.probs(logits, batch, rows), u)
+
+    def distribution(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        """`probs` normalised to sum to 1 (after min-p), from the kernels where they run
+        (`logits` modified in place)."""
+        if self._native(logits):
+            self.kernels.sample_rows(logits, *self._filters(batch, rows), torch.zeros(len(rows), dtype=torch.float64),
+                                     False)
+            return logits
+        probs = self.probs(logits, batch, rows)
+        return probs.div_(probs.sum(dim=1, keepdim=True))
+
+    def _native(self, logits: torch.Tensor) -> bool:
+        return (self.kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
+                and logits.stride(1) == 1)
+
+    @staticmethod
+    def _filters(batch: SamplingBatch, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows' temperature, top_k, top_p, min_p, as the kernel takes them."""
+        return tuple(getattr(batch, name)[rows].contiguous() for name in ("temperature", "top_k", "top_p", "min_p"))
 
     @staticmethod
     def probs(logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "loom_kernels_loops.h"
+#include "loom_kernels_sample.h"
 
 namespace loom {
 
@@ -312,6 +313,37 @@ torch::Tensor topk_rows(torch::Tensor logits, int64_t k) {
   return out;
 }
 
+// The non-greedy rows of a step (loom_kernels_sample.h): logits [R, V] float32, modified in place;
+// per row temperature (> 0), top_k (<= 0: off), top_p, min_p (float32) and a uniform u in
+// [0, 1) (float64). draw: returns each row's token; else leaves each row its distribution
+// (the filtered probabilities, summing to 1) and returns -1s.
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
+                          torch::Tensor min_p, torch::Tensor u, bool draw) {
+  check_f32_rows(logits, "logits");
+  const int64_t R = logits.size(0), N = logits.size(1), ld = logits.stride(0);
+  const auto column = [&](const torch::Tensor& t, torch::ScalarType type, const char* name) {
+    TORCH_CHECK(t.scalar_type() == type && t.dim() == 1 && t.size(0) == R && t.is_contiguous(), name,
+                " must be a contiguous [rows] tensor of ", c10::toString(type));
+  };
+  column(temperature, torch::kFloat32, "temperature");
+  column(top_k, torch::kInt64, "top_k");
+  column(top_p, torch::kFloat32, "top_p");
+  column(min_p, torch::kFloat32, "min_p");
+  column(u, torch::kFloat64, "u");
+  torch::Tensor out = torch::empty({R}, logits.options().dtype(torch::kInt64));
+  float* lp = logits.data_ptr<float>();
+  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const double* up = u.data_ptr<double>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<Scored> cand;
+    for (int64_t r = r0; r < r1; ++r)
+      op[r] = sample_row<Isa>(lp + r * ld, N, tp[r], kp[r], pp[r], mp[r], up[r], draw, cand);
+  });
+  return out;
+}
+
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
   check_f32_rows(h, "h");
   check_f32_rows(y, "y");
@@ -336,6 +368,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("x"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("bits"), py::arg("scales16"),
         py::arg("zero"), py::arg("margin"), py::arg("cap"), py::arg("argmax") = py::none());
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
+  m.def("sample_rows", &loom::sample_rows, "temperature, top-k, top-p, min-p and one draw per row, in place",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+        py::arg("draw"));
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "
         "returns which rows admit a token");
