@@ -172,6 +172,10 @@ def bench(
                                       "completions (/v1/completions, the prompt as plain text) or auto: "
                                       "completions for a model without a chat template (from the GGUF of "
                                       "--model when the bench starts servers, else the server's /tokenizer_info)."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0,
+                                      help="--server: every request's sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="--server: every request's top_p, with --temperature > 0 "
+                                "(sampled requests also send top_k -1 and min_p 0: one distribution on every server)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos",
                                     help="--server: every request generates exactly --max-tokens (ignore_eos, "
                                          "which loom, vLLM and llama-server take), the same work on every server."),
@@ -185,8 +189,12 @@ def bench(
         run_load_command(server, model=model, rates=rates, num_requests=_int_list(num_requests, "--num-requests"),
                          duration=duration, max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path,
                          plot=plot, out=out, err=err, peers=peers, rounds=rounds, threads=threads,
-                         max_concurrency=max_concurrency, endpoint=endpoint, ignore_eos=ignore_eos)
+                         max_concurrency=max_concurrency, endpoint=endpoint, ignore_eos=ignore_eos,
+                         temperature=temperature, top_p=top_p)
         return
+    if temperature != 0.0 or top_p != 1.0:
+        raise typer.BadParameter("sets the requests of a load test: it needs --server",
+                                 param_hint="--temperature" if temperature != 0.0 else "--top-p")
     from loom.bench.prompts import SPEC_BENCH_PATH
     from loom.config import physical_cores
 

@@ -345,6 +345,10 @@ def test_completions_load_reports_server_errors(fake_openai, prompts_file: Path)
     handler.bodies = []
     run_load(dataclasses.replace(plan, ignore_eos=True, num_requests=1))
     assert [b["ignore_eos"] for b in handler.bodies] == [True, True]   # the warm-up and the one request
+    assert all(b["temperature"] == 0 and "top_p" not in b and "top_k" not in b for b in handler.bodies)
+    handler.bodies = []   # sampled: one distribution on every server, whatever its defaults
+    run_load(dataclasses.replace(plan, temperature=0.8, top_p=0.95, num_requests=1))
+    assert [(b["temperature"], b["top_p"], b["top_k"], b["min_p"]) for b in handler.bodies] == [(0.8, 0.95, -1, 0.0)] * 2
 
 
 def test_auto_endpoint_without_tokenizer_info_sends_chat(fake_openai, prompts_file: Path) -> None:
@@ -384,6 +388,13 @@ def test_endpoint_names_and_the_gguf_chat_template(tiny_llama_path: Path, tiny_g
 def test_bad_endpoint_option_fails_before_any_request() -> None:
     result = CliRunner().invoke(app, ["bench", "--server", "http://127.0.0.1:9", "--endpoint", "embeddings"])
     assert result.exit_code == 1 and "--endpoint: expected auto, chat or completions" in result.output
+
+
+def test_sampling_options_of_a_load_test_are_checked() -> None:
+    result = CliRunner().invoke(app, ["bench", "--server", "http://127.0.0.1:9", "--temperature", "1", "--top-p", "0"])
+    assert result.exit_code == 1 and "--top-p must be in (0, 1], got 0.0" in result.output
+    result = CliRunner().invoke(app, ["bench", "--temperature", "0.7"])   # not a load test: refused, not ignored
+    assert result.exit_code == 2 and "it needs --server" in " ".join(result.output.replace("│", " ").split())
 
 
 def test_load_rates_counts_and_arrivals() -> None:

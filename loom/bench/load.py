@@ -116,7 +116,10 @@ class LoadSettings:
     rates: offered request rates in req/s, ascending; inf sends every request at once.
     num_requests / duration: requests per rate, either a fixed count or rate × duration
     seconds (the ``max`` point then takes the largest count of the ladder).
-    max_tokens: the ``max_tokens`` of every request; temperature 0 unless told.
+    max_tokens: the ``max_tokens`` of every request.
+    temperature, top_p: every request's sampling (default greedy). A sampled request also
+        sends ``top_k: -1`` and ``min_p: 0``, so that a server with defaults of its own
+        (llama-server: top-k 40, min-p 0.05) samples from the same distribution as the others.
     prompt_chars: prompts are cut to this many characters (about 4 per token).
     max_concurrency: at most this many requests in flight (vLLM's benchmark_serving
         --max-concurrency): a request that arrives while they are busy waits, and its times
@@ -133,6 +136,7 @@ class LoadSettings:
     duration: float | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
+    top_p: float = 1.0
     prompt_chars: int = 1000
     seed: int = 0
     model: str | None = None
@@ -155,6 +159,10 @@ class LoadSettings:
             raise BenchError(f"--duration must be positive, got {self.duration}")
         if self.max_tokens < 1 or self.prompt_chars < 1:
             raise BenchError("max_tokens and prompt_chars must be >= 1")
+        if not self.temperature >= 0:
+            raise BenchError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BenchError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not self.rates:
             raise BenchError("no rate to measure")
 
@@ -179,7 +187,7 @@ class LoadSettings:
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
                 "duration": self.duration, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path),
+                "top_p": self.top_p, "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path),
                 "max_concurrency": self.max_concurrency, "endpoint": self.endpoint, "ignore_eos": self.ignore_eos}
 
 
@@ -221,8 +229,9 @@ def _payload(settings: LoadSettings, model: str, prompt: str) -> dict[str, Any]:
     """The request body: the prompt as one user message (chat) or as the plain prompt text (completions)."""
     text = ({"messages": [{"role": "user", "content": prompt}]} if settings.endpoint == "chat"
             else {"prompt": prompt})
+    sampled = {"top_p": settings.top_p, "top_k": -1, "min_p": 0.0} if settings.temperature > 0 else {}
     return {"model": model, **text, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
-            "stream": True, "stream_options": {"include_usage": True},
+            **sampled, "stream": True, "stream_options": {"include_usage": True},
             **({"ignore_eos": True} if settings.ignore_eos else {})}
 
 

@@ -33,7 +33,8 @@ COLUMNS = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNC
 def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: Sequence[int] | None,
                duration: float | None, max_tokens: int | None, quick: bool,
                prompts: Path | None, endpoint: str = AUTO, ignore_eos: bool = False,
-               max_concurrency: int | None = None) -> list[LoadSettings]:
+               max_concurrency: int | None = None, temperature: float = 0.0,
+               top_p: float = 1.0) -> list[LoadSettings]:
     """One `LoadSettings` per request count (one for --duration); `endpoint` as --endpoint takes it."""
     counts: Sequence[int | None] = ((None,) if duration is not None else
                                     num_requests or ((QUICK_REQUESTS if quick else DEFAULT_REQUESTS),))
@@ -42,7 +43,8 @@ def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: 
                          num_requests=n, duration=duration,
                          max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
                          prompts_path=prompts or SPEC_BENCH_PATH, endpoint=parse_endpoint(endpoint),
-                         ignore_eos=ignore_eos, max_concurrency=max_concurrency)
+                         ignore_eos=ignore_eos, max_concurrency=max_concurrency, temperature=temperature,
+                         top_p=top_p)
             for n in counts]
 
 
@@ -65,12 +67,14 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
                      duration: float | None, max_tokens: int | None, quick: bool, prompts: Path | None,
                      json_path: Path | None, plot: Path | None, out: Console, err: Console,
                      peers: str | None = None, rounds: int = 1, threads: int | None = None,
-                     endpoint: str = AUTO, ignore_eos: bool = False, max_concurrency: int | None = None) -> None:
+                     endpoint: str = AUTO, ignore_eos: bool = False, max_concurrency: int | None = None,
+                     temperature: float = 0.0, top_p: float = 1.0) -> None:
     if num_requests is not None and (not num_requests or min(num_requests) < 1):
         raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
     plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
                        max_tokens=max_tokens, quick=quick, prompts=prompts, endpoint=endpoint,
-                       ignore_eos=ignore_eos, max_concurrency=max_concurrency)
+                       ignore_eos=ignore_eos, max_concurrency=max_concurrency, temperature=temperature,
+                       top_p=top_p)
     if url != "start" and not peers and len(plans) == 1:
         with Progress(*COLUMNS, console=err, transient=True) as progress:
             report = run_load(plans[0], progress)
