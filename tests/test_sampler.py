@@ -373,6 +373,37 @@ def test_penalties_follow_the_formulas():
     assert got[2, 7] != logits[2, 7]
 
 
+def dense_penalties(logits, prompt, output, presence, frequency, repetition):
+    """The formulas over whole [R, V] rows, as an earlier version computed them."""
+    def counts(rows):
+        c = torch.zeros(logits.shape, dtype=torch.int64)
+        for i, ids in enumerate(rows):
+            for t in ids:
+                c[i, t] += 1
+        return c
+    out, seen = counts(output), counts(output) > 0
+    penalty = torch.where(seen | (counts(prompt) > 0), repetition.unsqueeze(1), 1.0)
+    x = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return x - (frequency.unsqueeze(1) * out + presence.unsqueeze(1) * seen)
+
+
+def test_sparse_penalties_give_the_dense_formulas_bits():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, 300, generator=g) * 4
+    prompt = [torch.randint(300, (n,), generator=g).tolist() for n in (50, 0, 7, 120)]
+    output = [torch.randint(300, (n,), generator=g).tolist() for n in (30, 12, 0, 90)]
+    presence, frequency = torch.tensor([0.5, -1.0, 2.0, 0.0]), torch.tensor([0.25, 1.5, -2.0, 0.1])
+    repetition = torch.tensor([1.3, 0.7, 2.0, 1.0])
+    expected = dense_penalties(logits, prompt, output, presence, frequency, repetition)
+    got = logits.clone()
+    apply_penalties(got, prompt, output, presence, frequency, repetition)
+    assert torch.equal(got, expected)
+    wide = torch.zeros(4, 600)   # a non-contiguous view: written back in place
+    wide[:, ::2] = logits
+    apply_penalties(wide[:, ::2], prompt, output, presence, frequency, repetition)
+    assert torch.equal(wide[:, ::2], expected) and not wide[:, 1::2].any()
+
+
 def test_penalties_in_sampler_apply_to_their_rows_only():
     logits = torch.zeros(3, 20)
     logits[:, 4] = 2.0
