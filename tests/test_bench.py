@@ -347,8 +347,10 @@ def test_completions_load_reports_server_errors(fake_openai, prompts_file: Path)
     assert [b["ignore_eos"] for b in handler.bodies] == [True, True]   # the warm-up and the one request
     assert all(b["temperature"] == 0 and "top_p" not in b and "top_k" not in b for b in handler.bodies)
     handler.bodies = []   # sampled: one distribution on every server, whatever its defaults
-    run_load(dataclasses.replace(plan, temperature=0.8, top_p=0.95, num_requests=1))
+    sampled = run_load(dataclasses.replace(plan, temperature=0.8, top_p=0.95, num_requests=1))
     assert [(b["temperature"], b["top_p"], b["top_k"], b["min_p"]) for b in handler.bodies] == [(0.8, 0.95, -1, 0.0)] * 2
+    from loom.bench.load_report import markdown
+    assert "--temperature 0.8 --top-p 0.95" in markdown(sampled)
 
 
 def test_auto_endpoint_without_tokenizer_info_sends_chat(fake_openai, prompts_file: Path) -> None:

@@ -187,7 +187,8 @@ class LoadSettings:
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url, "rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
                 "duration": self.duration, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "prompt_chars": self.prompt_chars, "seed": self.seed, "prompts_path": str(self.prompts_path),
+                "top_p": self.top_p, "prompt_chars": self.prompt_chars, "seed": self.seed,
+                "prompts_path": str(self.prompts_path),
                 "max_concurrency": self.max_concurrency, "endpoint": self.endpoint, "ignore_eos": self.ignore_eos}
 
 

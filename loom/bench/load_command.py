@@ -98,8 +98,10 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
                                 load=lambda s: run_load(s, progress), log=lambda m: progress.console.print(escape(m)),
                                 on_run=lambda partial: _save(partial, json_path))
     header, rows = table(report)
+    sampled = (f", temperature {plans[0].temperature:g}"
+               + (f", top_p {plans[0].top_p:g}" if plans[0].top_p < 1 else "")) if plans[0].temperature else ", greedy"
     grid = Table(title=f"loom bench --server: {len(columns)} servers, {rounds} round(s), {threads} threads, "
-                       f"{report['endpoint']} endpoint, medians",
+                       f"{report['endpoint']} endpoint{sampled}, medians",
                  title_justify="left")
     for i, name in enumerate(header):
         grid.add_column(name, justify="left" if i < 3 else "right")

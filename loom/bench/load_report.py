@@ -79,7 +79,7 @@ def notes(report: dict[str, Any]) -> list[str]:
     lines = [f"server {report['server']}, model {report['model']}; {per_rate}, Poisson arrivals "
              f"(max: all at once); streaming {_endpoint(report)}, max_tokens {s['max_tokens']}"
              f"{' (ignore_eos)' if s.get('ignore_eos') else ''}, "
-             f"temperature {s['temperature']:g}; {report['prompts']}",
+             f"temperature {s['temperature']:g}{_top_p(s)}; {report['prompts']}",
              "achieved = ok requests / (first send to last answer); output tok/s over the same time; "
              "TTFT to the first content chunk; ITL = gaps between content chunks; E2E = send to last chunk",
              f"tracking = achieved / (requests / (send window + L0)), L0 = median E2E at the lowest rate "
@@ -118,13 +118,20 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(f"[dim]•[/dim] {escape(line)}", soft_wrap=True)
 
 
+def _top_p(settings: dict[str, Any]) -> str:
+    """", top_p P" for a sampled load test with a nucleus, else nothing."""
+    return f", top_p {settings['top_p']:g}" if settings.get("temperature") and settings.get("top_p", 1) < 1 else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The section docs/benchmarks.md holds: a heading, the command, the table and the notes."""
     s = report["settings"]
     per_rate = (f"--num-requests {s['num_requests']}" if s["num_requests"] is not None
                 else f"--duration {s['duration']:g}")
     endpoint = (f" --endpoint {s['endpoint']}" if s.get("endpoint", "auto") != "auto" else "") + \
-        (" --ignore-eos" if s.get("ignore_eos") else "")
+        (" --ignore-eos" if s.get("ignore_eos") else "") + \
+        (f" --temperature {s['temperature']:g}{' --top-p %g' % s['top_p'] if s.get('top_p', 1) < 1 else ''}"
+         if s.get("temperature") else "")
     if s.get("max_concurrency"):
         per_rate += f" --max-concurrency {s['max_concurrency']}"
     header = ["rate req/s", *(f"{h} {u}".strip() for h, u, _ in COLUMNS)]
