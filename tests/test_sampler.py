@@ -625,3 +625,13 @@ def test_kernel_draws_follow_the_distribution():
     observed = torch.bincount(out.token_ids, minlength=17).double()[:8]
     expected = (row[:8].double() / 0.9).softmax(dim=0) * draws
     assert float(((observed - expected) ** 2 / expected).sum()) < CHI2_7_999
+
+
+def test_kernel_logprob_rows_match_torch():
+    logits = random_logits(3, 1001, seed=12)
+    logits[0, 5] = float("-inf")
+    logits[1, [3, 9]] = 50.0   # a tie at the top: the lower id first
+    lse, ids = kernels.load().logprob_rows(logits, 4)
+    torch.testing.assert_close(lse, logits.logsumexp(dim=1))
+    assert ids[1, :2].tolist() == [3, 9]
+    assert torch.equal(ids[[0, 2]], logits[[0, 2]].topk(4).indices)

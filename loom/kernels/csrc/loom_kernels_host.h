@@ -344,6 +344,28 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
   return out;
 }
 
+// The logprobs of rows of raw logits [R, V] without the [R, V] log-softmax: each row's
+// log-sum-exp [R] (float32) and the ids [R, k] of its k largest logits, largest first (ties: the
+// lower id); a logprob is then logit - lse.
+std::tuple<torch::Tensor, torch::Tensor> logprob_rows(torch::Tensor logits, int64_t k) {
+  check_f32_rows(logits, "logits");
+  const int64_t R = logits.size(0), N = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(k >= 0 && k <= N, "k must be in [0, ", N, "]");
+  torch::Tensor lse = torch::empty({R}, logits.options());
+  torch::Tensor ids = torch::empty({R, k}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  float* sp = lse.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<Scored> cand;
+    for (int64_t r = r0; r < r1; ++r) {
+      sp[r] = logsumexp_row<Isa>(lp + r * ld, N);
+      topk_row<Isa>(lp + r * ld, N, k, ip + r * k, cand);
+    }
+  });
+  return {lse, ids};
+}
+
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
   check_f32_rows(h, "h");
   check_f32_rows(y, "y");
@@ -371,6 +393,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &loom::sample_rows, "temperature, top-k, top-p, min-p and one draw per row, in place",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         py::arg("draw"));
+  m.def("logprob_rows", &loom::logprob_rows, "each row's log-sum-exp and the ids of its k largest logits",
+        py::arg("logits"), py::arg("k"));
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "
         "returns which rows admit a token");

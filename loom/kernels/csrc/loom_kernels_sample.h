@@ -217,4 +217,30 @@ int64_t sample_row(float* x, int64_t N, float T, int64_t top_k, float top_p, flo
   return -1;
 }
 
+// log(sum exp x) over a row, in double past its max (-inf entries add nothing); the max itself
+// where it is not finite
+template <class V>
+float logsumexp_row(const float* x, int64_t N) {
+  using F = typename V::F;
+  F mx = V::set1(-INFINITY);
+  int64_t v = 0;
+  for (; v + V::W <= N; v += V::W) mx = V::max(mx, V::load(x + v));
+  float m = V::hmax(mx);
+  for (int64_t t = v; t < N; ++t) m = std::max(m, x[t]);
+  if (!std::isfinite(m)) return m;
+  const F mv = V::set1(m), lowest = V::set1(-FLT_MAX);
+  double total = 0.0;
+  v = 0;
+  while (v + V::W <= N) {
+    F acc = V::zero();
+    for (int64_t b = 0; b < SUM_BLOCK && v + V::W <= N; ++b, v += V::W) {
+      const F e = V::load(x + v);
+      acc = V::add(acc, V::keep(V::ge(e, lowest), vexp<V>(V::sub(e, mv))));
+    }
+    total += V::hsum(acc);
+  }
+  for (; v < N; ++v) total += x[v] > -INFINITY ? std::exp(x[v] - m) : 0.0f;
+  return (float)(m + std::log(total));
+}
+
 }  // namespace loom
