@@ -1,6 +1,7 @@
 """The sampler alone on random logits: ms per call for R rows of a V-token vocabulary, torch's ops
 against the kernels' sample_rows (loom_kernels_sample.h), per sampling setting; then the
-penalties (apply_penalties) on rows with 300 prompt and 100 output tokens. Fastest of 5.
+penalties (apply_penalties) on rows with 300 prompt and 100 output tokens; then greedy rows that
+ask for logprobs=5 (log-softmax and top-k). Fastest of 5.
 
 Usage (repository root): PYTHONPATH=. python benchmarks/sample_rate.py [--threads 2] [--rows 1,8,32]
     [--vocab 49152,262144]
@@ -18,7 +19,7 @@ from loom import kernels
 from loom.sample.sampler import Sampler, SamplingBatch, apply_penalties
 from loom.sampling_params import SamplingParams
 
-SETTINGS = {"temperature 0.8": dict(temperature=0.8), "top_k 40": dict(temperature=0.8, top_k=40),
+SETTINGS = {"temperature 0.8": dict(temperature=0.8), "logprobs 5 (greedy)": dict(temperature=0, logprobs=5), "top_k 40": dict(temperature=0.8, top_k=40),
             "top_p 0.95": dict(temperature=0.8, top_p=0.95),
             "top_k 40 + top_p 0.95": dict(temperature=0.8, top_k=40, top_p=0.95),
             "min_p 0.05": dict(temperature=0.8, min_p=0.05)}
