@@ -81,3 +81,24 @@ def test_echo_with_logprobs_scores_the_prompt(tiny) -> None:
     both = httpx.post(f"{tiny.url}/v1/completions", timeout=30,
                       json={"prompt": "x", "echo": True, "logprobs": 1, "n": 2, "max_tokens": 2})
     assert both.status_code == 400 and "once per prompt" in both.json()["error"]["message"]
+
+
+def test_slice_logprobs_on_the_kernels_match_torch():
+    """The runner's per-slice logprobs, ranks and top-k: loom's kernels against torch's log-softmax."""
+    from types import SimpleNamespace
+
+    from loom import kernels
+    from loom.model.runner import ModelRunner
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 777, generator=g) * 4
+    logits[2, 40] = logits[2, 41] = 30.0   # a tie at the top
+    target = torch.tensor([0, 5, 41, 776, 100, 3])
+    module = kernels.load()
+    assert module is not None, kernels.unavailable_reason()
+    native = ModelRunner._slice_logprobs(SimpleNamespace(sampler=SimpleNamespace(kernels=module)), logits, target, 4)
+    plain = ModelRunner._slice_logprobs(SimpleNamespace(sampler=SimpleNamespace(kernels=None)), logits, target, 4)
+    torch.testing.assert_close(native[0], plain[0])
+    assert native[1] == plain[1] and native[1][2] == 1
+    assert torch.equal(native[2][[0, 1, 3, 4, 5]], plain[2][[0, 1, 3, 4, 5]]) and native[2][2, :2].tolist() == [40, 41]
+    torch.testing.assert_close(native[3], plain[3])

@@ -631,7 +631,10 @@ def test_kernel_logprob_rows_match_torch():
     logits = random_logits(3, 1001, seed=12)
     logits[0, 5] = float("-inf")
     logits[1, [3, 9]] = 50.0   # a tie at the top: the lower id first
-    lse, ids = kernels.load().logprob_rows(logits, 4)
+    targets = torch.tensor([5, 9, 17])
+    lse, ids, ranks = kernels.load().logprob_rows(logits, 4, targets)
     torch.testing.assert_close(lse, logits.logsumexp(dim=1))
     assert ids[1, :2].tolist() == [3, 9]
     assert torch.equal(ids[[0, 2]], logits[[0, 2]].topk(4).indices)
+    assert ranks.tolist() == [int((logits[i] > logits[i, t]).sum()) + 1 for i, t in enumerate(targets.tolist())]
+    assert ranks[1] == 1 and kernels.load().logprob_rows(logits, 0)[2].numel() == 0

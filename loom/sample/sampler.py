@@ -533,7 +533,7 @@ class Sampler:
         top_ids = torch.full((rows, k), -1, dtype=torch.int64)
         picked = token_ids[lp_rows].unsqueeze(1)
         if self._native(raw):
-            lse, ids = self.kernels.logprob_rows(raw, k)
+            lse, ids, _ = self.kernels.logprob_rows(raw, k)
             chosen[lp_rows] = (raw.gather(1, picked) - lse.unsqueeze(1)).squeeze(1)
             if k > 0:
                 top_lp[lp_rows], top_ids[lp_rows] = raw.gather(1, ids) - lse.unsqueeze(1), ids

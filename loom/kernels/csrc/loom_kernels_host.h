@@ -346,24 +346,36 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
 
 // The logprobs of rows of raw logits [R, V] without the [R, V] log-softmax: each row's
 // log-sum-exp [R] (float32) and the ids [R, k] of its k largest logits, largest first (ties: the
-// lower id); a logprob is then logit - lse.
-std::tuple<torch::Tensor, torch::Tensor> logprob_rows(torch::Tensor logits, int64_t k) {
+// lower id); a logprob is then logit - lse. With targets [R] (int64 ids): each target's rank [R],
+// 1 + the number of logits above its own (else an empty tensor).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> logprob_rows(torch::Tensor logits, int64_t k,
+                                                                     c10::optional<torch::Tensor> targets) {
   check_f32_rows(logits, "logits");
   const int64_t R = logits.size(0), N = logits.size(1), ld = logits.stride(0);
   TORCH_CHECK(k >= 0 && k <= N, "k must be in [0, ", N, "]");
+  const int64_t* tp = nullptr;
+  if (targets.has_value()) {
+    TORCH_CHECK(targets->scalar_type() == torch::kInt64 && targets->dim() == 1 && targets->size(0) == R &&
+                targets->is_contiguous(), "targets must be a contiguous int64 [R] tensor");
+    tp = targets->data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < N, "target ", tp[r], " is not a column");
+  }
   torch::Tensor lse = torch::empty({R}, logits.options());
   torch::Tensor ids = torch::empty({R, k}, logits.options().dtype(torch::kInt64));
+  torch::Tensor ranks = torch::empty({tp ? R : 0}, logits.options().dtype(torch::kInt64));
   const float* lp = logits.data_ptr<float>();
   float* sp = lse.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
+  int64_t *ip = ids.data_ptr<int64_t>(), *rp = ranks.data_ptr<int64_t>();
   parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<Scored> cand;
     for (int64_t r = r0; r < r1; ++r) {
-      sp[r] = logsumexp_row<Isa>(lp + r * ld, N);
-      topk_row<Isa>(lp + r * ld, N, k, ip + r * k, cand);
+      const float* row = lp + r * ld;
+      sp[r] = logsumexp_row<Isa>(row, N);
+      topk_row<Isa>(row, N, k, ip + r * k, cand);
+      if (tp) rp[r] = 1 + count_above<Isa>(row, N, row[tp[r]]);
     }
   });
-  return {lse, ids};
+  return {lse, ids, ranks};
 }
 
 void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) {
@@ -393,8 +405,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &loom::sample_rows, "temperature, top-k, top-p, min-p and one draw per row, in place",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         py::arg("draw"));
-  m.def("logprob_rows", &loom::logprob_rows, "each row's log-sum-exp and the ids of its k largest logits",
-        py::arg("logits"), py::arg("k"));
+  m.def("logprob_rows", &loom::logprob_rows, "each row's log-sum-exp, the ids of its k largest logits and its "
+        "target's rank", py::arg("logits"), py::arg("k"), py::arg("targets") = py::none());
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "
         "returns which rows admit a token");

@@ -243,4 +243,14 @@ float logsumexp_row(const float* x, int64_t N) {
   return (float)(m + std::log(total));
 }
 
+// how many entries of the row are above t
+template <class V>
+int64_t count_above(const float* x, int64_t N, float t) {
+  const typename V::F tv = V::set1(t);
+  int64_t n = 0, v = 0;
+  for (; v + V::W <= N; v += V::W) n += __builtin_popcount(V::gt_bits(V::load(x + v), tv));
+  for (; v < N; ++v) n += x[v] > t;
+  return n;
+}
+
 }  // namespace loom
