@@ -124,17 +124,20 @@ Scored nucleus_end(const float* e, int64_t N, double S, float p, std::vector<Sco
     if (e[i] > 0.0f) mass[bucket(e[i])] += e[i];
   double above = 0.0;
   int64_t b = (int64_t)mass.size() - 1;
-  for (; b > 0 && above + mass[b] < P; --b) above += mass[b];
-  cand.clear();
+  for (; b >= 0 && above + mass[b] < P; --b) above += mass[b];
+  if (b < 0) {   // rounding left P unreached: every entry stays (the smallest, of equals the lowest id)
+    Scored low{INFINITY, 0};
+    for (int64_t i = 0; i < N; ++i)
+      if (e[i] > 0.0f && e[i] < low.first) low = Scored{e[i], (int32_t)i};
+    return low;
+  }
+  cand.clear();   // bucket b holds mass (it took the sum to P), so at least one entry
   for (int64_t i = 0; i < N; ++i)
     if (e[i] > 0.0f && (int64_t)bucket(e[i]) == b) cand.emplace_back(e[i], (int32_t)i);
   std::sort(cand.begin(), cand.end(), desc);
   for (const Scored& c : cand)
     if ((above += c.first) >= P) return c;
-  if (!cand.empty()) return cand.back();
-  for (int64_t i = N - 1; i >= 0; --i)   // no positive entry in b: every entry stays
-    if (e[i] > 0.0f) return Scored{e[i], (int32_t)i};
-  return Scored{0.0f, 0};
+  return cand.back();   // the entries' own sum a rounding short of the buckets': keep the bucket
 }
 
 // e < floor -> 0, and entries equal to the nucleus' last value below its index (where that value
