@@ -13,22 +13,11 @@ import argparse
 import time
 from collections import defaultdict
 
+from step_profile import wrap
+
 from loom import SamplingParams
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
-
-
-def timed(obj, name: str, totals: dict[str, float]) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - t
-
-    setattr(obj, name, wrapper)
 
 
 def main() -> None:
@@ -42,8 +31,8 @@ def main() -> None:
     if module is None:
         raise SystemExit("the engine runs without loom's kernels")
     totals: dict[str, float] = defaultdict(float)
-    timed(engine.runner.model, "compute_logits", totals)
-    timed(engine.runner, "_prompt_logprobs", totals)
+    wrap(engine.runner.model, "compute_logits", totals, "compute_logits")
+    wrap(engine.runner, "_prompt_logprobs", totals, "_prompt_logprobs")
     best: dict[str, tuple[float, float, float]] = {}
     prompt = 0
     for _ in range(args.rounds):

@@ -84,11 +84,10 @@ def test_echo_with_logprobs_scores_the_prompt(tiny) -> None:
 
 
 def test_slice_logprobs_on_the_kernels_match_torch():
-    """The runner's per-slice logprobs, ranks and top-k: loom's kernels against torch's log-softmax."""
-    from types import SimpleNamespace
-
+    """The per-slice logprobs, ranks and top-k the runner takes from its sampler: loom's kernels
+    against torch's log-softmax."""
     from loom import kernels
-    from loom.model.runner import ModelRunner
+    from loom.sample.sampler import Sampler
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 777, generator=g) * 4
@@ -96,8 +95,8 @@ def test_slice_logprobs_on_the_kernels_match_torch():
     target = torch.tensor([0, 5, 41, 776, 100, 3])
     module = kernels.load()
     assert module is not None, kernels.unavailable_reason()
-    native = ModelRunner._slice_logprobs(SimpleNamespace(sampler=SimpleNamespace(kernels=module)), logits, target, 4)
-    plain = ModelRunner._slice_logprobs(SimpleNamespace(sampler=SimpleNamespace(kernels=None)), logits, target, 4)
+    native = Sampler(0, kernels=module).token_logprobs(logits, target, 4, ranks=True)
+    plain = Sampler(0).token_logprobs(logits, target, 4, ranks=True)
     torch.testing.assert_close(native[0], plain[0])
     assert native[1] == plain[1] and native[1][2] == 1
     assert torch.equal(native[2][[0, 1, 3, 4, 5]], plain[2][[0, 1, 3, 4, 5]]) and native[2][2, :2].tolist() == [40, 41]

@@ -213,28 +213,15 @@ class ModelRunner:
                 rows = torch.arange(a, b) - s.start_pos + meta.query_starts[i]
                 logits = self.model.compute_logits(hidden[rows]).float()                            # [r, V]
                 target = torch.tensor(st.prompt_token_ids[a + 1:b + 1])
-                chosen, ranks, top_i, top_v = self._slice_logprobs(logits, target, st.params.prompt_logprobs)
+                chosen, ranks, top_i, top_v = self.sampler.token_logprobs(logits, target, st.params.prompt_logprobs,
+                                                                          ranks=True)
                 for r in range(b - a):
-                    entries.append(TokenLogprobs(float(chosen[r, 0]), list(zip(top_i[r].tolist(), top_v[r].tolist())),
+                    entries.append(TokenLogprobs(float(chosen[r]), list(zip(top_i[r].tolist(), top_v[r].tolist())),
                                                  ranks[r]))
             if entries:
                 st.prompt_lp_done = hi
                 out[s.req_id] = entries
         return out
-
-    def _slice_logprobs(self, logits: torch.Tensor, target: torch.Tensor, k: int):
-        """Log-softmax of `logits` [r, V] at `target` [r] ([r, 1]), the targets' ranks (a list) and
-        the top k (ids, logprobs); on the kernels from each row's log-sum-exp, with no [r, V]
-        log-softmax and comparison (Gemma 3: ~0.5 ms a prompt position in torch)."""
-        kern = self.sampler.kernels
-        if kern is not None and logits.is_contiguous():
-            lse, top_i, ranks = kern.logprob_rows(logits, k, target)
-            lse = lse.unsqueeze(1)
-            return logits.gather(1, target[:, None]) - lse, ranks.tolist(), top_i, logits.gather(1, top_i) - lse
-        lp = logits.log_softmax(dim=-1)
-        chosen = lp.gather(1, target[:, None])
-        top_v, top_i = lp.topk(k, dim=1) if k else (lp[:, :0], lp[:, :0].long())
-        return chosen, ((lp > chosen).sum(dim=1) + 1).tolist(), top_i, top_v
 
     @torch.inference_mode()
     def timed_forward(self, seqs) -> float:
