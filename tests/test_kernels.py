@@ -267,7 +267,9 @@ def test_qgemm_refinement_and_topk_do_not_depend_on_the_threads():
         y = lin(x)
         am = torch.empty(33, dtype=torch.int64)
         refined = lin.refine_top(x, y.clone(), 8.0, 64, am)
-        return y, refined, am, kern.topk_rows(refined, 20), lin(x[:1]), lin(x[:8])
+        am_top = torch.empty(33, dtype=torch.int64)
+        top = lin.top_logits(x, 8.0, 64, am_top)
+        return y, refined, am, kern.topk_rows(refined, 20), lin(x[:1]), lin(x[:8]), top, am_top
 
     threads = torch.get_num_threads()
     try:
@@ -382,6 +384,68 @@ def test_refine_top_reports_the_argmax_it_decides(bits):
     assert torch.equal(out2[:, 0], out2[:, 1]) and bool((am2 == 0).all())
     with pytest.raises(RuntimeError, match="argmax must be"):
         lin.refine_top(x, gemm.clone(), 8.0, 64, torch.empty(3, dtype=torch.int64))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)   # the same bits, NaN included
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fp16_scales", [True, False])
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_top_logits_are_the_gemm_then_its_refinement(bits, fp16_scales, zero_point):
+    """The output layer in one call (the GEMM's tiles gather the refinement's candidates): the
+    same logits, bit for bit, as the GEMM followed by refine_top, on 1 to 33 rows and 1 to 4
+    threads; with the candidates a row's threads must prune (a flat row: thousands within the
+    margin), a cap of one, no margin, equal top values, and rows with NaN or infinite logits (a
+    NaN or infinite scale). The argmax, where given (>= 0), is the refined row's (ties: the lower
+    index); at the output layer's setting it is given wherever refine_top gives it."""
+    n, k = 3001, 192
+    zero = {4: 8, 8: 128}[bits] if zero_point else 0
+    codes = _random_codes(n, k, bits, seed=13, fp16_scales=fp16_scales, zero=zero)
+    top = 1234
+    for q in (top + 1, top + 2):            # equal top candidates: the same codes and scales
+        codes.q[q], codes.a[q], codes.b[q] = codes.q[top], codes.a[top], codes.b[top]
+    lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(33, k, generator=g)
+    x[3] *= 8.0                               # peaked
+    x[4] *= 0.01                              # flat: every logit within the margin
+    x[5] = 0.0
+    cases = [(8.0, 64), (0.5, 1000), (100.0, 5), (100.0, 1), (0.0, 64), (8.0, 1)]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            for rows in (slice(0, 1), slice(2, 5), slice(0, 8), slice(0, 33)):
+                xr = x[rows].contiguous()
+                for margin, cap in cases:
+                    want_am, got_am = (torch.empty(xr.shape[0], dtype=torch.int64) for _ in range(2))
+                    want = lin.refine_top(xr, lin(xr), margin, cap, want_am)
+                    got = lin.top_logits(xr, margin, cap, got_am)
+                    _same(got, want)
+                    for r in range(xr.shape[0]):
+                        if got_am[r] >= 0:
+                            assert got_am[r].item() == want[r].argmax().item(), (t, rows, margin, cap, r)
+                    if (margin, cap) == (8.0, 64):
+                        assert torch.equal(got_am, want_am), (t, rows)
+    finally:
+        torch.set_num_threads(threads)
+    for bad in (float("nan"), float("inf")):   # one output row's logits NaN, or +-inf, in every row
+        odd = QuantCodes(codes.q, codes.a.clone(), codes.b.clone(), bits)
+        odd.a[77, 2] = bad
+        if zero:
+            odd.b[77, 2] = -zero * bad
+        lin_odd = QuantLinear(LinearWeight(odd.dequantize(), odd))
+        want_am, got_am = (torch.empty(8, dtype=torch.int64) for _ in range(2))
+        want = lin_odd.refine_top(x[:8], lin_odd(x[:8]), 8.0, 64, want_am)
+        _same(lin_odd.top_logits(x[:8], 8.0, 64, got_am), want)
+        assert torch.equal(got_am, want_am), bad
+    with pytest.raises(RuntimeError, match="cap >= 1"):
+        lin.top_logits(x, 8.0, 0)
+    with pytest.raises(RuntimeError, match="argmax must be"):
+        lin.top_logits(x, 8.0, 64, torch.empty(3, dtype=torch.int64))
 
 
 @needs_kernels

@@ -51,8 +51,11 @@ void with_layout(int64_t bits, bool scales16, int64_t zero, F f) {
 // keeps full 8-bit codes on the affine one); either way a variant computes a row the same way at
 // every M.
 
-torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
-                    c10::optional<torch::Tensor> out, bool accumulate, int64_t zero) {
+// qgemm's checks and GEMM, with the tiles' epilogues from epis() (see gemm)
+template <class Epis>
+torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
+                        int64_t pre, c10::optional<torch::Tensor> norm_w, double eps, c10::optional<torch::Tensor> out,
+                        bool accumulate, int64_t zero, const Epis& epis) {
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
@@ -81,7 +84,52 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
     // wide: the tiles' dot products take the codes widened to int16 as well
     const bool wide = M > 1 && Isa::template wide_codes<BITS, Isa::MT_MAX, Z>();
     quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide, Z);
-    gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate);
+    gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate, epis);
+  });
+  return y;
+}
+
+torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
+                    c10::optional<torch::Tensor> out, bool accumulate, int64_t zero) {
+  return run_qgemm(x, w, N, K, bits, scales16, pre, norm_w, eps, out, accumulate, zero, [] { return NoEpi{}; });
+}
+
+// The output layer: qgemm (no pre-op) and refine_logits in one call, the refinement's
+// candidates gathered by the GEMM's tiles (TopTrack, refine_tracked in loom_kernels_loops.h)
+// instead of two passes over every row afterwards; the same logits and argmax as the two calls.
+torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
+                        int64_t zero, double margin, int64_t cap, c10::optional<torch::Tensor> out,
+                        c10::optional<torch::Tensor> argmax) {
+  TORCH_CHECK(cap >= 1 && margin >= 0, "margin must be >= 0 and cap >= 1");
+  const int64_t M = x.size(0), T = std::max(1, at::get_num_threads());
+  int64_t* am = nullptr;
+  if (argmax.has_value()) {
+    TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == M &&
+                argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
+    am = argmax->data_ptr<int64_t>();
+  }
+  thread_local std::vector<TopRow> rows;   // [T][M], kept across calls with their candidates' capacity
+  if ((int64_t)rows.size() < T * M) rows.resize(T * M);
+  for (int64_t i = 0; i < T * M; ++i) rows[i].reset();
+  TopRow* rp = rows.data();
+  const float mg = (float)margin;
+  torch::Tensor y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
+                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap}; });
+  if (M == 0) return y;
+  float* lp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t ldl = y.stride(0), ldx = x.stride(0);
+  with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
+    parallel_chunks(M, 1, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<Scored> cand;
+      thread_local std::vector<float> xs;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t best = refine_tracked<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
+            lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
+        if (am) am[r] = best;
+      }
+    });
   });
   return y;
 }
@@ -401,6 +449,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("refine_logits", &loom::refine_logits, "the top logits of each row again in float32, in place",
         py::arg("logits"), py::arg("x"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("bits"), py::arg("scales16"),
         py::arg("zero"), py::arg("margin"), py::arg("cap"), py::arg("argmax") = py::none());
+  m.def("qgemm_top", &loom::qgemm_top, "the output layer: qgemm and refine_logits in one call, the candidates "
+        "gathered by the GEMM", py::arg("x"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("bits"),
+        py::arg("scales16"), py::arg("zero"), py::arg("margin"), py::arg("cap"), py::arg("out") = py::none(),
+        py::arg("argmax") = py::none());
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("sample_rows", &loom::sample_rows, "temperature, top-k, top-p, min-p and one draw per row, in place",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),

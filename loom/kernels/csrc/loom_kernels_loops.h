@@ -241,30 +241,39 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   }
 }
 
+// What a tile does with each stored output vector besides storing it: nothing, or (the output
+// layer's TopTrack below) look at the values while they are still in registers.
+struct NoEpi {
+  template <class F>
+  LOOM_INLINE void operator()(int64_t, int64_t, F, int64_t) const {}
+};
+
 // y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it; fewer
-// than 16 rows only at the end of N
-template <class V, int BITS, int MT, typename S, int Z, int ZL, int H = 0>
+// than 16 rows only at the end of N; epi(row, first column, stored vector, its valid lanes)
+template <class V, int BITS, int MT, typename S, int Z, int ZL, int H = 0, class Epi>
 inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y, int64_t ldy,
-                 int64_t n0, int64_t N, bool accumulate, bool once) {
+                 int64_t n0, int64_t N, bool accumulate, bool once, Epi& epi) {
   const int64_t n = N - n0 - H * V::W;
   if (n <= 0) return;
   typename V::F acc[MT];
   tile_part<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, H, once, acc);
   for (int i = 0; i < MT; ++i) {
     float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
-    V::store_n(yp, accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i], n);
+    const typename V::F out = accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i];
+    V::store_n(yp, out, n);
+    epi(m0 + i, n0 + H * V::W, out, std::min<int64_t>(n, V::W));
   }
   if constexpr (H + 1 < ROWS / V::W)
-    tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
+    tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once, epi);
 }
 
 // the tile for mt = 1 .. MT activation rows
-template <class V, int BITS, typename S, int Z, int ZL, int MT = V::MT_MAX>
+template <class V, int BITS, typename S, int Z, int ZL, int MT = V::MT_MAX, class Epi>
 inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
-                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, bool once) {
+                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, bool once, Epi& epi) {
   if constexpr (MT > 1)
-    if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
-  tile<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once);
+    if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate, once, epi);
+  tile<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once, epi);
 }
 
 // Cache blocking. The tiles of one block column read its weights G times per MT rows and the
@@ -276,9 +285,10 @@ inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& 
 // Only the order of the tiles changes: each output is the same tile's same sum over groups.
 constexpr int64_t GEMM_L1_ACTS = 16 * 1024, GEMM_L2_WEIGHTS = 256 * 1024;
 
-template <class V, int BITS, typename S, int Z, int ZL>
+// epis(): the epilogue of a chunk of block columns (one per chunk: it may hold the thread's state)
+template <class V, int BITS, typename S, int Z, int ZL, class Epis>
 void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
-          bool accumulate) {
+          bool accumulate, const Epis& epis) {
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t code_bytes = V::template wide_codes<BITS, V::MT_MAX, Z>() ? 2 : 1;   // int16 codes: half the rows
   const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / (K * code_bytes) / V::MT_MAX * V::MT_MAX);
@@ -292,6 +302,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   // chunks of at least ~1M multiply-adds (a few microseconds)
   const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
   parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
+    auto epi = epis();
     for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
       const int64_t nc1 = std::min(nc0 + NC, nb1);
       for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
@@ -299,10 +310,16 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
         for (int64_t nb = nc0; nb < nc1; ++nb)
           for (int64_t m0 = mc0; m0 < mc1; m0 += V::MT_MAX)
             tile_rows<V, BITS, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
-                                  nb * ROWS, N, accumulate, once);
+                                  nb * ROWS, N, accumulate, once, epi);
       }
     }
   });
+}
+
+template <class V, int BITS, typename S, int Z, int ZL>
+void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
+          bool accumulate) {
+  gemm<V, BITS, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, [] { return NoEpi{}; });
 }
 
 template <class V, typename C>
@@ -398,15 +415,12 @@ bool refine_candidates(const float* row, int64_t N, float margin, int64_t cap, s
   return true;   // in index order: rows near each other in memory come together
 }
 
-// one row of logits [N], in place, from the packed matrix w. Returns the row's argmax after the
-// refinement (of equal values the lower index, as torch's argmax) where the refinement decides
-// it, that is where its best value is above every logit it left alone; else -1.
+// the candidates' logits (in index order) computed again from the packed codes, in place;
+// returns the best where it is above bound (every other logit is at most bound), else -1
 template <class V, int BITS, typename S, int ZL>
-int64_t refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
-                   std::vector<Scored>& cand, std::vector<float>& xs) {
+int64_t refine_listed(float* row, const float* x, int64_t K, const uint8_t* w, const std::vector<Scored>& cand,
+                      std::vector<float>& xs, float bound) {
   const int64_t G = K / GROUP;
-  float bound;
-  if (!refine_candidates<V>(row, N, margin, cap, cand, &bound)) return -1;
   xs.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     typename V::F s = V::zero();
@@ -419,6 +433,106 @@ int64_t refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8
     if (best < 0 || row[c.second] > row[best]) best = c.second;
   }
   return best >= 0 && row[best] > bound ? best : -1;
+}
+
+// one row of logits [N], in place, from the packed matrix w. Returns the row's argmax after the
+// refinement (of equal values the lower index, as torch's argmax) where the refinement decides
+// it, that is where its best value is above every logit it left alone; else -1.
+template <class V, int BITS, typename S, int ZL>
+int64_t refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin, int64_t cap,
+                   std::vector<Scored>& cand, std::vector<float>& xs) {
+  float bound;
+  if (!refine_candidates<V>(row, N, margin, cap, cand, &bound)) return -1;
+  return refine_listed<V, BITS, S, ZL>(row, x, K, w, cand, xs, bound);
+}
+
+// The same refinement with the candidates gathered by the output layer's GEMM itself (qgemm_top):
+// refine_candidates' two passes over a row (its maximum, then the entries within the margin)
+// read 2 x 1 MB of each of Gemma 3's rows back from memory, ~1.2 ms of a 32-row step. Instead
+// each GEMM tile hands every stored vector of logits to TopTrack while it is in registers, one
+// compare against the row's threshold in the thread's TopRow. A thread keeps the entries at or
+// above that threshold, which only rises: the row's maximum so far (in the thread) minus the
+// margin, and once more than 4 cap have gathered, the smallest of its cap largest, the ones it
+// keeps. Every entry the full scan chooses (the cap largest, value then lower index first, of
+// those above the maximum minus the margin) is kept by the thread that computed it: an entry a
+// thread leaves out or drops has cap larger ones in the same thread. So the union over threads,
+// cut as largest_above cuts a row, is the same set, refined by the same dots: the same bits as
+// refine_row. A row with a NaN takes refine_row itself (NaN decides the maximum by position there).
+struct alignas(64) TopRow {   // one row's candidates in one thread, a line of its own (read every tile)
+  float mx, thr, cut;  // largest value seen, the threshold, the highest cut a prune set
+  bool nan;
+  std::vector<Scored> cand;
+  void reset() {
+    mx = thr = cut = -INFINITY;
+    nan = false;
+    cand.clear();
+  }
+};
+
+template <class V>
+struct TopTrack {   // the GEMM epilogue of one chunk: rows[m] is this thread's TopRow of row m
+  TopRow* rows;
+  float margin;
+  int64_t cap;
+
+  LOOM_INLINE void operator()(int64_t m, int64_t n0, typename V::F v, int64_t n) const {
+    uint32_t bits = V::nlt_bits(v, V::set1(rows[m].thr));   // v >= thr, or NaN
+    if (n < V::W) bits &= (1u << n) - 1;
+    if (bits) take(rows[m], n0, v, bits);
+  }
+
+  __attribute__((noinline)) void take(TopRow& r, int64_t n0, typename V::F v, uint32_t bits) const {
+    alignas(64) float vals[V::W];
+    V::store(vals, v);
+    for (; bits; bits &= bits - 1) {
+      const int l = __builtin_ctz(bits);
+      if (std::isnan(vals[l])) {
+        r.nan = true;
+        continue;
+      }
+      r.cand.emplace_back(vals[l], (int32_t)(n0 + l));
+      r.mx = std::max(r.mx, vals[l]);
+    }
+    r.thr = std::max(r.thr, r.mx - margin);
+    if ((int64_t)r.cand.size() > 4 * cap) {
+      std::nth_element(r.cand.begin(), r.cand.begin() + (cap - 1), r.cand.end(), larger);
+      r.cand.resize(cap);
+      r.cut = std::max(r.cut, r.cand[cap - 1].first);
+      r.thr = std::max(r.thr, r.cut);
+    }
+  }
+};
+
+// refine_row for row r of a GEMM whose T threads tracked it (rows[t * M + r]): the candidates
+// merged, the same set refined. The argmax is returned where the best refined value is above
+// every entry left alone, as refine_row's; the bound here can be higher than refine_row's only
+// where a thread pruned entries within the margin of the maximum and exactly cap of them remain
+// (a prune's cut then bounds what it left out), and the caller then scans the row itself.
+template <class V, int BITS, typename S, int ZL>
+int64_t refine_tracked(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin,
+                       int64_t cap, const TopRow* rows, int64_t T, int64_t M, int64_t r, std::vector<Scored>& cand,
+                       std::vector<float>& xs) {
+  float mx = -INFINITY, cut = -INFINITY;
+  for (int64_t t = 0; t < T; ++t) {
+    const TopRow& tr = rows[t * M + r];
+    if (tr.nan) return refine_row<V, BITS, S, ZL>(row, N, x, K, w, margin, cap, cand, xs);
+    mx = std::max(mx, tr.mx);
+    cut = std::max(cut, tr.cut);
+  }
+  if (!std::isfinite(mx)) return -1;
+  const float thr = mx - margin;
+  cand.clear();
+  for (int64_t t = 0; t < T; ++t)
+    for (const Scored& c : rows[t * M + r].cand)
+      if (c.first > thr) cand.push_back(c);
+  float bound = std::max(thr, cut);   // every entry not in cand is at most it
+  if ((int64_t)cand.size() > cap) {
+    std::nth_element(cand.begin(), cand.begin() + (cap - 1), cand.end(), larger);
+    cand.resize(cap);
+    bound = std::max(bound, cand[cap - 1].first);
+  }
+  std::sort(cand.begin(), cand.end(), [](const Scored& a, const Scored& b) { return a.second < b.second; });
+  return refine_listed<V, BITS, S, ZL>(row, x, K, w, cand, xs, bound);
 }
 
 // out[0, k) = the indices of row's k largest entries, largest first (ties: the lower index);

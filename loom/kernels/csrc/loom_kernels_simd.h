@@ -15,6 +15,7 @@
 //   i8x16_to_f     16 int8 lanes of an SSE register -> 16 / W float vectors (quantized KV rows)
 //   load_u8        W uint8 -> W floats (the output layer's codes, recomputed exactly)
 //   gt_bits        bit l set where lane l of a > lane l of b
+//   nlt_bits       bit l set where lane l of a is not below b's (a >= b, or either is NaN)
 //   ge, select     lanes where a >= b (false for NaN); a where the mask is set, else b
 #pragma once
 
@@ -108,6 +109,7 @@ struct Vec512 {
   static void i8x16_to_f(__m128i x, F* out) { out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)); }
   static F load_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
   static uint32_t gt_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static uint32_t nlt_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }
   static Mask ge(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
   static F select(Mask m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
 
@@ -183,6 +185,7 @@ struct Vec256 {
   }
   static F load_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
   static uint32_t gt_bits(F a, F b) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  static uint32_t nlt_bits(F a, F b) { return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_NLT_UQ)); }
   static Mask ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
   static F select(Mask m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
 

@@ -115,6 +115,13 @@ class QuantLinear:
         self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, argmax)
         return y
 
+    def top_logits(self, x: torch.Tensor, margin: float, cap: int, argmax: torch.Tensor | None = None) -> torch.Tensor:
+        """refine_top(x, self(x), margin, cap, argmax) in one kernel call (cap >= 1): the GEMM's
+        tiles gather each row's candidates while its logits are in registers, so the rows are
+        not read back from memory twice; the same logits and argmax, bit for bit."""
+        p = self.p
+        return self.kern.qgemm_top(x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, None, argmax)
+
 
 class AdaptiveLinear:
     """Fallback of `auto`: torch's weight-only kernels for small M (bandwidth-bound), a dense GEMM above."""
@@ -145,11 +152,11 @@ def output_logits(head: LinearBackend, hidden: torch.Tensor, argmax: torch.Tenso
     argmax [N] int64, if given, is filled with each row's argmax of the returned logits where the
     refinement already knows it (ties: the lower id, as `argmax_rows`), else -1: a greedy step
     then skips its own pass over the vocabulary."""
+    if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32:
+        return head.top_logits(hidden.contiguous(), TOP_LOGITS_MARGIN, TOP_LOGITS_CAP, argmax)
     logits = head(hidden).float()
     if argmax is not None:
         argmax.fill_(-1)
-    if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32 and logits.shape[0]:
-        head.refine_top(hidden.contiguous(), logits, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP, argmax)
     return logits
 
 
