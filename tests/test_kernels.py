@@ -394,14 +394,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("fp16_scales", [True, False])
 @pytest.mark.parametrize("zero_point", [False, True])
-def test_top_logits_are_the_gemm_then_its_refinement(bits, fp16_scales, zero_point):
+@pytest.mark.parametrize("n", [3001, 2048])
+def test_top_logits_are_the_gemm_then_its_refinement(bits, fp16_scales, zero_point, n):
     """The output layer in one call (the GEMM's tiles gather the refinement's candidates): the
     same logits, bit for bit, as the GEMM followed by refine_top, on 1 to 33 rows and 1 to 4
     threads; with the candidates a row's threads must prune (a flat row: thousands within the
     margin), a cap of one, no margin, equal top values, and rows with NaN or infinite logits (a
     NaN or infinite scale). The argmax, where given (>= 0), is the refined row's (ties: the lower
-    index); at the output layer's setting it is given wherever refine_top gives it."""
-    n, k = 3001, 192
+    index); at the output layer's setting it is given wherever refine_top gives it. The logits
+    are stored past the caches where a vector is aligned: rows of 2048 (every vector) and of
+    3001 (some) take both stores."""
+    k = 192
     zero = {4: 8, 8: 128}[bits] if zero_point else 0
     codes = _random_codes(n, k, bits, seed=13, fp16_scales=fp16_scales, zero=zero)
     top = 1234

@@ -7,6 +7,7 @@
 //   MT_MAX, PV_ACC register tile sizes for 32 or 16 vector registers
 //   F, I, Mask     float vector, integer vector, lane mask
 //   load / store   16 or 8 floats from/to float32 or float16 storage
+//   stream         a store past the caches (non-temporal; p aligned to the vector's size)
 //   load_n/store_n the first n lanes only (n < W only at the end of a row)
 //   reduce(v)      out[r] = sum of v[r]'s lanes, for W vectors at once
 //   in_ranges      lanes l + j inside [a0, a1) or [b0, b1)
@@ -40,6 +41,7 @@ constexpr int ROWS = 16;    // output rows per packed block
   static F set1(float x) { return P##_set1_ps(x); }                                                  \
   static F load(const float* p) { return P##_loadu_ps(p); }                                          \
   static void store(float* p, F v) { P##_storeu_ps(p, v); }                                          \
+  static void stream(float* p, F v) { P##_stream_ps(p, v); }                                         \
   static F load_n(const float* p, int64_t n) { return n >= W ? load(p) : load_part(p, n); }          \
   static void store_n(float* p, F v, int64_t n) {                                                    \
     if (n >= W) store(p, v);                                                                         \
