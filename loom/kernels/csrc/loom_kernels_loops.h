@@ -454,7 +454,7 @@ int64_t refine_row(float* row, int64_t N, const float* x, int64_t K, const uint8
 // The same refinement with the candidates gathered by the output layer's GEMM itself (qgemm_top):
 // refine_candidates' two passes over a row (its maximum, then the entries within the margin)
 // read 2 x 1 MB of each of Gemma 3's rows back from memory, ~1.2 ms of a 32-row step. Instead
-// each GEMM tile hands every stored vector of logits to TopTrack while it is in registers, one
+// each GEMM tile hands every vector of logits it stores to TopTrack while it is in registers, one
 // compare against the row's threshold in the thread's TopRow. A thread keeps the entries at or
 // above that threshold, which only rises: the row's maximum so far (in the thread) minus the
 // margin, and once more than 4 cap have gathered, the smallest of its cap largest, the ones it
@@ -474,25 +474,33 @@ struct alignas(64) TopRow {   // one row's candidates in one thread, a line of i
   }
 };
 
-template <class V>
 //
 // The logits are stored past the caches: a 32-row step of Gemma 3 writes 33.5 MB of them, more
 // than L3, and an ordinary store first reads each line in. Its output layer took 17.8 instead of
 // 18.3 ms (best of 25; medians 20.2 and 22.8), 6.2 instead of 6.4 at 8 rows, with a sampler's
 // pass over the rows afterwards no slower at 1, 8 or 32 rows (Zen 4, 2 threads).
+//
+// AVX-512 only (kTopInTiles): the AVX2 variant's 8-bit tiles use all 16 of its registers, and
+// with the compare in them (or the epilogue's state passed through the tile functions at all,
+// which GCC then inlined differently) its output matrix ran 1.5x slower from 4 rows on; there
+// qgemm_top is the GEMM and refine_row, as before.
+template <class V>
+constexpr bool kTopInTiles = sizeof(typename V::F) == 64;
+
+template <class V>
 struct TopTrack {   // the GEMM epilogue of one chunk: rows[m] is this thread's TopRow of row m
-  static constexpr bool kStream = true;
+  static constexpr bool kStream = true;   // whole cache lines: 16 floats
   TopRow* rows;
   float margin;
   int64_t cap;
-
-  void done() const { _mm_sfence(); }   // the chunk's streamed stores, before the GEMM returns
 
   LOOM_INLINE void operator()(int64_t m, int64_t n0, typename V::F v, int64_t n) const {
     uint32_t bits = V::nlt_bits(v, V::set1(rows[m].thr));   // v >= thr, or NaN
     if (n < V::W) bits &= (1u << n) - 1;
     if (bits) take(rows[m], n0, v, bits);
   }
+
+  void done() const { _mm_sfence(); }   // the chunk's streamed stores, before the GEMM returns
 
   __attribute__((noinline)) void take(TopRow& r, int64_t n0, typename V::F v, uint32_t bits) const {
     alignas(64) float vals[V::W];
