@@ -91,7 +91,7 @@ torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16, int64_t pre, c10::optional<torch::Tensor> norm_w, double eps,
                     c10::optional<torch::Tensor> out, bool accumulate, int64_t zero) {
-  return run_qgemm(x, w, N, K, bits, scales16, pre, norm_w, eps, out, accumulate, zero, [] { return NoEpi{}; });
+  return run_qgemm(x, w, N, K, bits, scales16, pre, norm_w, eps, out, accumulate, zero, NoEpis{});
 }
 
 // The output layer: qgemm (no pre-op) and refine_logits in one call. Where kTopInTiles (AVX-512),
@@ -122,7 +122,7 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
     y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
                   [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap}; });
   } else {
-    y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero, [] { return NoEpi{}; });
+    y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero, NoEpis{});
   }
   if (M == 0) return y;
   float* lp = y.data_ptr<float>();

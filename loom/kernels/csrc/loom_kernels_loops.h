@@ -321,10 +321,14 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   });
 }
 
+struct NoEpis {   // the plain GEMM's epilogues (one type: every plain caller shares one instantiation)
+  NoEpi operator()() const { return {}; }
+};
+
 template <class V, int BITS, typename S, int Z, int ZL>
 void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
           bool accumulate) {
-  gemm<V, BITS, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, [] { return NoEpi{}; });
+  gemm<V, BITS, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, NoEpis{});
 }
 
 template <class V, typename C>
