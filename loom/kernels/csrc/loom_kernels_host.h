@@ -94,59 +94,6 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int6
   return run_qgemm(x, w, N, K, bits, scales16, pre, norm_w, eps, out, accumulate, zero, NoEpis{});
 }
 
-// The output layer: qgemm (no pre-op) and refine_logits in one call. Where kTopInTiles (AVX-512),
-// the refinement's candidates are gathered by the GEMM's tiles (TopTrack, refine_tracked in
-// loom_kernels_loops.h) instead of two passes over every row afterwards, and the logits stored
-// past the caches; the same logits as the two calls, and the argmax wherever they give it at
-// the output layer's setting (see refine_tracked).
-torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
-                        int64_t zero, double margin, int64_t cap, c10::optional<torch::Tensor> out,
-                        c10::optional<torch::Tensor> argmax) {
-  TORCH_CHECK(cap >= 1 && margin >= 0, "margin must be >= 0 and cap >= 1");
-  const int64_t M = x.size(0), T = std::max(1, at::get_num_threads());
-  int64_t* am = nullptr;
-  if (argmax.has_value()) {
-    TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == M &&
-                argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
-    am = argmax->data_ptr<int64_t>();
-  }
-  constexpr bool in_tiles = kTopInTiles<Isa>;
-  const float mg = (float)margin;
-  thread_local std::vector<TopRow> rows;   // [T][M], kept across calls with their candidates' capacity
-  TopRow* rp = nullptr;
-  torch::Tensor y;
-  if constexpr (in_tiles) {
-    if ((int64_t)rows.size() < T * M) rows.resize(T * M);
-    for (int64_t i = 0; i < T * M; ++i) rows[i].reset();
-    rp = rows.data();
-    y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
-                  [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap}; });
-  } else {
-    y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero, NoEpis{});
-  }
-  if (M == 0) return y;
-  float* lp = y.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t ldl = y.stride(0), ldx = x.stride(0);
-  with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
-    constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value;
-    using S = decltype(s);
-    parallel_chunks(M, 1, [&](int64_t r0, int64_t r1) {
-      thread_local std::vector<Scored> cand;
-      thread_local std::vector<float> xs;
-      for (int64_t r = r0; r < r1; ++r) {
-        float* row = lp + r * ldl;
-        const int64_t best = in_tiles ? refine_tracked<Isa, BITS, S, ZL>(row, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r,
-                                                                         cand, xs)
-                                      : refine_row<Isa, BITS, S, ZL>(row, N, xp + r * ldx, K, wp, mg, cap, cand, xs);
-        if (am) am[r] = best;
-      }
-    });
-  });
-  return y;
-}
-
 // One head x [D] in place: RMSNorm by nw (none if null), then RoPE rotating x[i] with x[i + D/2]
 // by the position's cos c and sin s [D]. Vector loops, a scalar tail where D/2 is not a multiple
 // of the vector width; the norm's sum of squares is the lane-wise tree of sum_squares.
@@ -356,6 +303,52 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
       }
     });
   });
+}
+
+// The output layer: qgemm (no pre-op) and refine_logits in one call. Where kTopInTiles (AVX-512),
+// the refinement's candidates are gathered by the GEMM's tiles (TopTrack, refine_tracked in
+// loom_kernels_loops.h) instead of two passes over every row afterwards, and the logits are
+// stored past the caches: the same logits as the two calls; the argmax where given is the
+// refined row's (see refine_tracked for where it leaves a row to the caller).
+torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
+                        int64_t zero, double margin, int64_t cap, c10::optional<torch::Tensor> out,
+                        c10::optional<torch::Tensor> argmax) {
+  TORCH_CHECK(cap >= 1 && margin >= 0, "margin must be >= 0 and cap >= 1");
+  if constexpr (!kTopInTiles<Isa>) {
+    torch::Tensor y = qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero);
+    refine_logits(y, x, w, N, K, bits, scales16, zero, margin, cap, argmax);
+    return y;
+  }
+  const int64_t M = x.size(0), T = std::max(1, at::get_num_threads());
+  int64_t* am = nullptr;
+  if (argmax.has_value()) {
+    TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == M &&
+                argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
+    am = argmax->data_ptr<int64_t>();
+  }
+  thread_local std::vector<TopRow> rows;   // [T][M], kept across calls with their candidates' capacity
+  if ((int64_t)rows.size() < T * M) rows.resize(T * M);
+  for (int64_t i = 0; i < T * M; ++i) rows[i].reset();
+  TopRow* rp = rows.data();
+  const float mg = (float)margin;
+  torch::Tensor y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
+                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap}; });
+  float* lp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t ldl = y.stride(0), ldx = x.stride(0);
+  with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
+    parallel_chunks(M, 1, [&](int64_t r0, int64_t r1) {
+      thread_local std::vector<Scored> cand;
+      thread_local std::vector<float> xs;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t best = refine_tracked<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
+            lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
+        if (am) am[r] = best;
+      }
+    });
+  });
+  return y;
 }
 
 // indices [R, k] int64 of each row's k largest logits, largest first (ties: the lower index):

@@ -116,9 +116,11 @@ class QuantLinear:
         return y
 
     def top_logits(self, x: torch.Tensor, margin: float, cap: int, argmax: torch.Tensor | None = None) -> torch.Tensor:
-        """refine_top(x, self(x), margin, cap, argmax) in one kernel call (cap >= 1): the GEMM's
-        tiles gather each row's candidates while its logits are in registers, so the rows are
-        not read back from memory twice; the same logits and argmax, bit for bit."""
+        """refine_top(x, self(x), margin, cap, argmax) in one kernel call (cap >= 1): on AVX-512 the
+        GEMM's tiles gather each row's candidates while its logits are in registers, so the rows
+        are not read back from memory twice. The same logits, bit for bit; an argmax it gives is
+        the refined row's, as refine_top's (it may leave to the caller a row where a thread cut
+        its candidates within the margin and refine_top decided)."""
         p = self.p
         return self.kern.qgemm_top(x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, None, argmax)
 
