@@ -265,6 +265,28 @@ std::vector<bool> apply_bitmask(torch::Tensor logits, torch::Tensor mask) {
   return std::vector<bool>(admits.begin(), admits.end());
 }
 
+// the optional argmax [R] int64 output of the refinements, checked; null if not given
+inline int64_t* argmax_rows_out(const c10::optional<torch::Tensor>& argmax, int64_t R) {
+  if (!argmax.has_value()) return nullptr;
+  TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == R &&
+              argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
+  return argmax->data_ptr<int64_t>();
+}
+
+// am[r] = refine(r, cand, xs) for every row r < R (am may be null), rows in chunks over the
+// threads, each with its own candidate and group-sum buffers
+template <class Refine>
+void refine_each_row(int64_t R, int64_t* am, const Refine& refine) {
+  parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<Scored> cand;
+    thread_local std::vector<float> xs;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t best = refine(r, cand, xs);
+      if (am) am[r] = best;
+    }
+  });
+}
+
 // The output layer's top logits again in float32 (refine_row, loom_kernels_loops.h): logits
 // [R, N] in place, x [R, K] the activations the GEMM was given, w the same packed matrix.
 // argmax: optional [R] int64, set to each row's argmax after the refinement where the refinement
@@ -282,25 +304,15 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
                   w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * packed_block_bytes(bits, scales16 ? 2 : 4, zero),
               "packed weights do not match N, K, bits, zero");
   const int64_t R = logits.size(0), ldl = logits.stride(0), ldx = x.stride(0);
-  int64_t* am = nullptr;
-  if (argmax.has_value()) {
-    TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == R &&
-                argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
-    am = argmax->data_ptr<int64_t>();
-  }
+  int64_t* am = argmax_rows_out(argmax, R);
   float* lp = logits.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float mg = (float)margin;
   with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
-    parallel_chunks(R, 1, [&](int64_t r0, int64_t r1) {
-      thread_local std::vector<Scored> cand;
-      thread_local std::vector<float> xs;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t best = refine_row<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
-            lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, cand, xs);
-        if (am) am[r] = best;
-      }
+    refine_each_row(R, am, [&](int64_t r, std::vector<Scored>& cand, std::vector<float>& xs) {
+      return refine_row<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(lp + r * ldl, N, xp + r * ldx, K,
+                                                                                     wp, mg, cap, cand, xs);
     });
   });
 }
@@ -320,12 +332,7 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
     return y;
   }
   const int64_t M = x.size(0), T = std::max(1, at::get_num_threads());
-  int64_t* am = nullptr;
-  if (argmax.has_value()) {
-    TORCH_CHECK(argmax->scalar_type() == torch::kInt64 && argmax->dim() == 1 && argmax->size(0) == M &&
-                argmax->is_contiguous(), "argmax must be a contiguous int64 [R] tensor");
-    am = argmax->data_ptr<int64_t>();
-  }
+  int64_t* am = argmax_rows_out(argmax, M);
   thread_local std::vector<TopRow> rows;   // [T][M], kept across calls with their candidates' capacity
   if ((int64_t)rows.size() < T * M) rows.resize(T * M);
   for (int64_t i = 0; i < T * M; ++i) rows[i].reset();
@@ -338,14 +345,9 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ldl = y.stride(0), ldx = x.stride(0);
   with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
-    parallel_chunks(M, 1, [&](int64_t r0, int64_t r1) {
-      thread_local std::vector<Scored> cand;
-      thread_local std::vector<float> xs;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t best = refine_tracked<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
-            lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
-        if (am) am[r] = best;
-      }
+    refine_each_row(M, am, [&](int64_t r, std::vector<Scored>& cand, std::vector<float>& xs) {
+      return refine_tracked<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
+          lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
     });
   });
   return y;
