@@ -619,6 +619,63 @@ def test_eos_stops_unless_ignored(make_tiny):
     assert out.token_ids == base[:k + 1] and out.finish_reason == "stop" and out.stop_reason is None
 
 
+def test_greedy_steps_that_keep_no_logits_decode_as_steps_that_keep_them(tiny_parts, monkeypatch):
+    """A step whose rows are all plain greedy asks the output layer for the argmax alone; on
+    AVX-512 kernels it then stores no logits (compute_logits returns None). The tokens are those
+    of steps that keep the logits, in a batch beside a sampled request (whose steps keep them)
+    and where the kernel leaves a row undecided (-1: the output layer computes the logits)."""
+    from loom import kernels
+    from loom.config import EngineConfig
+    from loom.model.build import load_model
+    from loom.model.layers.linear import QuantLinear
+
+    path, _, tok = tiny_parts
+    model = load_model(path, linear="auto")   # the default mode: loom's kernels where available
+    prompts = [text_prompt(tok, n, skip=i) for i, n in enumerate((5, 9, 14))]
+    greedy = SamplingParams(max_tokens=12, **GREEDY)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+
+    def run(extra: bool) -> tuple[dict[str, list[int]], list]:
+        engine = Engine(EngineConfig.create(str(path), block_size=4, num_blocks=512), model=model, tokenizer=tok)
+        calls = []
+        logits = engine.runner.model.compute_logits
+
+        def spy(hidden, argmax=None, argmax_only=False):
+            out = logits(hidden, argmax, argmax_only)
+            calls.append((argmax_only, out is None))
+            return out
+
+        monkeypatch.setattr(engine.runner.model, "compute_logits", spy)
+        for i, p in enumerate(prompts):
+            engine.add_request({"prompt_token_ids": p}, greedy, request_id=str(i))
+        if extra:
+            engine.add_request({"prompt_token_ids": prompts[0]}, sampled, request_id="s")
+        final, _ = drain(engine)
+        return {k: v.outputs[0].token_ids for k, v in final.items()}, calls
+
+    base, calls = run(extra=False)
+    assert all(only for only, _ in calls)
+    unstored = kernels.variant() == "avx512" and isinstance(model.lm_head, QuantLinear)
+    assert any(none for _, none in calls) == unstored
+    mixed, calls = run(extra=True)
+    assert {k: mixed[k] for k in base} == base and not calls[0][0] and calls[-1][0]
+
+    top = QuantLinear.top_logits
+
+    def undecided(self, x, margin, cap, argmax=None, logits=True):
+        out = top(self, x, margin, cap, argmax, logits)
+        if not logits:
+            argmax[0] = -1   # as for a row with a NaN logit
+        return out
+
+    monkeypatch.setattr(QuantLinear, "top_logits", undecided)
+    again, calls = run(extra=False)
+    assert again == base and not any(none for _, none in calls)
+    monkeypatch.setattr("loom.model.runner.ModelRunner._argmax_only", lambda self, rid: False)
+    kept, calls = run(extra=False)
+    assert kept == base and not any(only for only, _ in calls)
+
+
 def test_logit_bias_forces_a_token_and_leaves_the_logprobs_the_models(make_tiny):
     tok = make_tiny().tokenizer
     prompt = text_prompt(tok, 10)

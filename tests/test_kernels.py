@@ -433,6 +433,7 @@ def test_top_logits_are_the_gemm_then_its_refinement(bits, fp16_scales, zero_poi
                             assert got_am[r].item() == want[r].argmax().item(), (t, rows, margin, cap, r)
                     if (margin, cap) == (8.0, 64):
                         assert torch.equal(got_am, want_am), (t, rows)
+                    _same_without_logits(lin, xr, margin, cap, want, got_am)
     finally:
         torch.set_num_threads(threads)
     for bad in (float("nan"), float("inf")):   # one output row's logits NaN, or +-inf, in every row
@@ -445,10 +446,35 @@ def test_top_logits_are_the_gemm_then_its_refinement(bits, fp16_scales, zero_poi
         want = lin_odd.refine_top(x[:8], lin_odd(x[:8]), 8.0, 64, want_am)
         _same(lin_odd.top_logits(x[:8], 8.0, 64, got_am), want)
         assert torch.equal(got_am, want_am), bad
+        _same_without_logits(lin_odd, x[:8], 8.0, 64, want, got_am, nan_rows=bad != bad)
     with pytest.raises(RuntimeError, match="cap >= 1"):
         lin.top_logits(x, 8.0, 0)
     with pytest.raises(RuntimeError, match="argmax must be"):
         lin.top_logits(x, 8.0, 64, torch.empty(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="needs the argmax"):
+        lin.top_logits(x, 8.0, 64, None, logits=False)
+
+
+def _same_without_logits(lin, x, margin, cap, want, want_am, nan_rows=False) -> None:
+    """top_logits(logits=False): where the kernel leaves the logits unstored (AVX-512) it returns
+    None and each row's argmax as the stored call gives it: the refined logits' argmax, or -1
+    (always for a row with a NaN logit). Which rows get -1 away from the output layer's setting
+    depends on how the threads split the columns (a thread's prune, see refine_tracked), so
+    there only the argmax given is checked. Elsewhere the call is the stored one."""
+    am = torch.full((x.shape[0],), -7, dtype=torch.int64)
+    got = lin.top_logits(x, margin, cap, am, logits=False)
+    if got is not None:
+        assert kernels.variant() != "avx512"
+        _same(got, want)
+        assert torch.equal(am, want_am)
+    elif nan_rows:
+        assert bool((am == -1).all())
+    else:
+        assert kernels.variant() == "avx512"
+        for r in range(x.shape[0]):
+            assert am[r] == -1 or am[r].item() == want[r].argmax().item(), (margin, cap, r)
+        if (margin, cap) == (8.0, 64):
+            assert torch.equal(am, want_am)
 
 
 @needs_kernels

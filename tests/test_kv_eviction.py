@@ -433,8 +433,8 @@ class _Recorder:
             self.last = positions[-1].item()
             return forward(ids, positions, meta, kv)
 
-        def spy_logits(hidden, argmax=None):
-            out = logits(hidden, argmax)
+        def spy_logits(hidden, argmax=None, argmax_only=False):
+            out = logits(hidden, argmax)   # the logits, always: the spy reads them
             self.logits.append((self.last, out[-1]))
             return out
 

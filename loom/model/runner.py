@@ -147,7 +147,9 @@ class ModelRunner:
                                        + meta.query_lens[i]) for i, c in zip(sample_seqs, counts)])
         # each row's argmax where the output layer's refinement knows it, else -1
         known = torch.empty(len(rows), dtype=torch.int64)
-        logits = self.model.compute_logits(hidden[rows], known)                      # [R, V]
+        # a step of plain greedy rows reads only the argmax: the logits need not be kept (None)
+        argmax_only = self.spec is None and all(self._argmax_only(out.seqs[i].req_id) for i in sample_seqs)
+        logits = self.model.compute_logits(hidden[rows], known, argmax_only)          # [R, V]
         if self.spec is None:
             result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs], known)
         else:
@@ -280,6 +282,11 @@ class ModelRunner:
             bias=[st.bias for st in states],
         )
 
+    def _argmax_only(self, req_id: str) -> bool:
+        """Whether this step's sample of the request reads nothing but the argmax (see _sample)."""
+        st = self.states[req_id]
+        return st.plain_greedy and st.matcher is None
+
     def _take_greedy(self, states: list[_ReqState], req_ids: list[str], tokens: list[int]) -> RunnerOutput:
         for st, tok in zip(states, tokens):
             self._take(st, tok)
@@ -296,7 +303,7 @@ class ModelRunner:
         greedy = all(st.plain_greedy for st in states)   # the common case: no sampling batch to build
         if greedy and known is not None and all(st.matcher is None for st in states):
             tokens = known.tolist()
-            if tokens and min(tokens) >= 0:
+            if tokens and min(tokens) >= 0:   # always so where logits is None (output_logits)
                 return self._take_greedy(states, req_ids, tokens)
         if rows is not None:
             logits = logits[rows]

@@ -322,10 +322,15 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
 // loom_kernels_loops.h) instead of two passes over every row afterwards, and the logits are
 // stored past the caches: the same logits as the two calls; the argmax where given is the
 // refined row's (see refine_tracked for where it leaves a row to the caller).
+// logits false (a greedy step that reads nothing but the argmax; argmax required): where
+// kTopInTiles the logits are not stored at all and an [M, 0] tensor is returned, the argmax the
+// same as with them, and -1 also for a row with a NaN logit (the caller computes such a row's
+// logits); elsewhere the call is as with logits true.
 torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
                         int64_t zero, double margin, int64_t cap, c10::optional<torch::Tensor> out,
-                        c10::optional<torch::Tensor> argmax) {
+                        c10::optional<torch::Tensor> argmax, bool logits) {
   TORCH_CHECK(cap >= 1 && margin >= 0, "margin must be >= 0 and cap >= 1");
+  TORCH_CHECK(logits || argmax.has_value(), "qgemm_top without logits needs the argmax tensor");
   if constexpr (!kTopInTiles<Isa>) {
     torch::Tensor y = qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero);
     refine_logits(y, x, w, N, K, bits, scales16, zero, margin, cap, argmax);
@@ -338,19 +343,20 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   for (int64_t i = 0; i < T * M; ++i) rows[i].reset();
   TopRow* rp = rows.data();
   const float mg = (float)margin;
+  // without logits the GEMM's output buffer is never written: its pages are never touched
   torch::Tensor y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
-                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap}; });
-  float* lp = y.data_ptr<float>();
+                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap, logits}; });
+  float* lp = logits ? y.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t ldl = y.stride(0), ldx = x.stride(0);
   with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
     refine_each_row(M, am, [&](int64_t r, std::vector<Scored>& cand, std::vector<float>& xs) {
       return refine_tracked<Isa, decltype(b)::value, decltype(s), decltype(zl)::value>(
-          lp + r * ldl, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
+          lp ? lp + r * ldl : nullptr, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
     });
   });
-  return y;
+  return logits ? y : torch::empty({M, 0}, x.options());
 }
 
 // indices [R, k] int64 of each row's k largest logits, largest first (ties: the lower index):
@@ -460,7 +466,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm_top", &loom::qgemm_top, "the output layer: qgemm and refine_logits in one call, the candidates "
         "gathered by the GEMM", py::arg("x"), py::arg("w"), py::arg("N"), py::arg("K"), py::arg("bits"),
         py::arg("scales16"), py::arg("zero"), py::arg("margin"), py::arg("cap"), py::arg("out") = py::none(),
-        py::arg("argmax") = py::none());
+        py::arg("argmax") = py::none(), py::arg("logits") = true);
   m.def("topk_rows", &loom::topk_rows, "indices of each row's k largest logits, largest first");
   m.def("sample_rows", &loom::sample_rows, "temperature, top-k, top-p, min-p and one draw per row, in place",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),

@@ -243,9 +243,11 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
 
 // What a tile does with each output vector besides storing it: nothing, or (the output layer's
 // TopTrack below) look at the values while they are still in registers. kStream: the outputs are
-// stored past the caches (see TopTrack); done() ends a chunk of the GEMM.
+// stored past the caches (see TopTrack); stores(): whether they are stored at all; done() ends a
+// chunk of the GEMM.
 struct NoEpi {
   static constexpr bool kStream = false;
+  static constexpr bool stores() { return true; }
   template <class F>
   LOOM_INLINE void operator()(int64_t, int64_t, F, int64_t) const {}
   void done() const {}
@@ -263,8 +265,12 @@ inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, in
   for (int i = 0; i < MT; ++i) {
     float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
     const typename V::F out = accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i];
-    if (Epi::kStream && n >= V::W && (uintptr_t)yp % sizeof(out) == 0) V::stream(yp, out);
-    else V::store_n(yp, out, n);
+    if (!epi.stores()) {
+    } else if (Epi::kStream && n >= V::W && (uintptr_t)yp % sizeof(out) == 0) {
+      V::stream(yp, out);
+    } else {
+      V::store_n(yp, out, n);
+    }
     epi(m0 + i, n0 + H * V::W, out, std::min<int64_t>(n, V::W));
   }
   if constexpr (H + 1 < ROWS / V::W)
@@ -424,8 +430,9 @@ bool refine_candidates(const float* row, int64_t N, float margin, int64_t cap, s
   return true;   // in index order: rows near each other in memory come together
 }
 
-// the candidates' logits (in index order) computed again from the packed codes, in place;
-// returns the best where it is above bound (every other logit is at most bound), else -1
+// the candidates' logits (in index order) computed again from the packed codes, in place (row
+// null: a GEMM that kept no logits, only the argmax is wanted); returns the best where it is
+// above bound (every other logit is at most bound), else -1
 template <class V, int BITS, typename S, int ZL>
 int64_t refine_listed(float* row, const float* x, int64_t K, const uint8_t* w, const std::vector<Scored>& cand,
                       std::vector<float>& xs, float bound) {
@@ -437,11 +444,13 @@ int64_t refine_listed(float* row, const float* x, int64_t K, const uint8_t* w, c
     xs[g] = V::hsum(s);
   }
   int64_t best = -1;
+  float top = 0.0f;
   for (const Scored& c : cand) {   // in index order: the first of equal values stays
-    row[c.second] = exact_row_dot<V, BITS, S, ZL>(w, G, c.second, x, xs.data());
-    if (best < 0 || row[c.second] > row[best]) best = c.second;
+    const float v = exact_row_dot<V, BITS, S, ZL>(w, G, c.second, x, xs.data());
+    if (row) row[c.second] = v;
+    if (best < 0 || v > top) best = c.second, top = v;
   }
-  return best >= 0 && row[best] > bound ? best : -1;
+  return best >= 0 && top > bound ? best : -1;
 }
 
 // one row of logits [N], in place, from the packed matrix w. Returns the row's argmax after the
@@ -497,6 +506,9 @@ struct TopTrack {   // the GEMM epilogue of one chunk: rows[m] is this thread's 
   TopRow* rows;
   float margin;
   int64_t cap;
+  bool store = true;   // false: the logits are not kept (a greedy step wants only the argmax)
+
+  bool stores() const { return store; }
 
   LOOM_INLINE void operator()(int64_t m, int64_t n0, typename V::F v, int64_t n) const {
     uint32_t bits = V::nlt_bits(v, V::set1(rows[m].thr));   // v >= thr, or NaN
@@ -532,7 +544,8 @@ struct TopTrack {   // the GEMM epilogue of one chunk: rows[m] is this thread's 
 // merged, the same set refined. The argmax is returned where the best refined value is above
 // every entry left alone, as refine_row's; the bound here can be higher than refine_row's only
 // where a thread pruned entries within the margin of the maximum and exactly cap of them remain
-// (a prune's cut then bounds what it left out), and the caller then scans the row itself.
+// (a prune's cut then bounds what it left out), and the caller then scans the row itself. row
+// null (the GEMM kept no logits): a row with a NaN, which refine_row would scan, gets -1 too.
 template <class V, int BITS, typename S, int ZL>
 int64_t refine_tracked(float* row, int64_t N, const float* x, int64_t K, const uint8_t* w, float margin,
                        int64_t cap, const TopRow* rows, int64_t T, int64_t M, int64_t r, std::vector<Scored>& cand,
@@ -540,7 +553,7 @@ int64_t refine_tracked(float* row, int64_t N, const float* x, int64_t K, const u
   float mx = -INFINITY, cut = -INFINITY;
   for (int64_t t = 0; t < T; ++t) {
     const TopRow& tr = rows[t * M + r];
-    if (tr.nan) return refine_row<V, BITS, S, ZL>(row, N, x, K, w, margin, cap, cand, xs);
+    if (tr.nan) return row ? refine_row<V, BITS, S, ZL>(row, N, x, K, w, margin, cap, cand, xs) : -1;
     mx = std::max(mx, tr.mx);
     cut = std::max(cut, tr.cut);
   }

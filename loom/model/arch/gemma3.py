@@ -141,6 +141,8 @@ class Gemma3ForCausalLM:
             kern.add_rmsnorm(h, down, layer.post_ffn_norm, eps)
         return rms_norm(h, self.norm, eps)
 
-    def compute_logits(self, hidden: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, D] of the positions to sample -> float32 logits [N, V] (argmax: see output_logits)."""
-        return output_logits(self.lm_head, hidden, argmax)
+    def compute_logits(self, hidden: torch.Tensor, argmax: torch.Tensor | None = None,
+                       argmax_only: bool = False) -> torch.Tensor | None:
+        """hidden [N, D] of the positions to sample -> float32 logits [N, V] (argmax, argmax_only:
+        see output_logits; None only where argmax_only and every row's argmax is known)."""
+        return output_logits(self.lm_head, hidden, argmax, argmax_only)

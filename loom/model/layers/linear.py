@@ -115,14 +115,20 @@ class QuantLinear:
         self.kern.refine_logits(y, x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, argmax)
         return y
 
-    def top_logits(self, x: torch.Tensor, margin: float, cap: int, argmax: torch.Tensor | None = None) -> torch.Tensor:
+    def top_logits(self, x: torch.Tensor, margin: float, cap: int, argmax: torch.Tensor | None = None,
+                   logits: bool = True) -> torch.Tensor | None:
         """refine_top(x, self(x), margin, cap, argmax) in one kernel call (cap >= 1): on AVX-512 the
         GEMM's tiles gather each row's candidates while its logits are in registers, so the rows
         are not read back from memory twice. The same logits, bit for bit; an argmax it gives is
         the refined row's, as refine_top's (it may leave to the caller a row where a thread cut
-        its candidates within the margin and refine_top decided)."""
+        its candidates within the margin and refine_top decided).
+
+        logits=False (argmax required): the caller wants only the argmax. On AVX-512 the logits
+        are then never stored and None is returned, the argmax as with them except that a row
+        with a NaN logit gets -1 as well; elsewhere the logits come as usual."""
         p = self.p
-        return self.kern.qgemm_top(x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, None, argmax)
+        y = self.kern.qgemm_top(x, p.w, p.n, p.k, p.bits, p.scales16, p.zero, margin, cap, None, argmax, logits)
+        return None if y.shape[1] != p.n else y
 
 
 class AdaptiveLinear:
@@ -144,7 +150,8 @@ class AdaptiveLinear:
 TOP_LOGITS_MARGIN, TOP_LOGITS_CAP = 8.0, 64
 
 
-def output_logits(head: LinearBackend, hidden: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
+def output_logits(head: LinearBackend, hidden: torch.Tensor, argmax: torch.Tensor | None = None,
+                  argmax_only: bool = False) -> torch.Tensor | None:
     """hidden [N, D] -> float32 logits [N, V]; on loom's kernels the rows' top logits are
     computed again in float32 (an exact product of the stored weights), from the packed codes
     the GEMM has just read: a tied embedding table's own rows would be faster to read (one
@@ -153,9 +160,19 @@ def output_logits(head: LinearBackend, hidden: torch.Tensor, argmax: torch.Tenso
 
     argmax [N] int64, if given, is filled with each row's argmax of the returned logits where the
     refinement already knows it (ties: the lower id, as `argmax_rows`), else -1: a greedy step
-    then skips its own pass over the vocabulary."""
+    then skips its own pass over the vocabulary.
+
+    argmax_only (argmax given): the caller reads nothing but the argmax (a step of plain greedy
+    rows). Where the kernel can leave the logits unstored (AVX-512: a 32-row Gemma 3 step writes
+    33.5 MB of them) None is returned and every row's argmax is known; a row it cannot decide
+    without them makes the call compute the logits as usual."""
     if TOP_LOGITS_CAP and isinstance(head, QuantLinear) and hidden.dtype == torch.float32:
-        return head.top_logits(hidden.contiguous(), TOP_LOGITS_MARGIN, TOP_LOGITS_CAP, argmax)
+        hidden = hidden.contiguous()
+        if argmax_only and argmax is not None:
+            logits = head.top_logits(hidden, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP, argmax, logits=False)
+            if logits is not None or bool((argmax >= 0).all()):
+                return logits
+        return head.top_logits(hidden, TOP_LOGITS_MARGIN, TOP_LOGITS_CAP, argmax)
     logits = head(hidden).float()
     if argmax is not None:
         argmax.fill_(-1)
