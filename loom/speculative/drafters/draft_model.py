@@ -117,5 +117,7 @@ class DraftModelDrafter(Drafter):
         ids, positions, meta = build_batch(seqs, self.block_size)
         hidden = self.model.forward(ids, positions, meta, self.caches.layers)
         rows = torch.tensor([meta.query_starts[i] + meta.query_lens[i] - 1 for i in range(len(seqs))])
-        best = argmax_rows(self.model.compute_logits(hidden[rows])).tolist()
+        known = torch.empty(len(seqs), dtype=torch.int64)   # the argmax alone: no logits kept where it can
+        logits = self.model.compute_logits(hidden[rows], known, argmax_only=True)
+        best = (known if logits is None else argmax_rows(logits)).tolist()
         return {s.req_id: tok for s, tok in zip(seqs, best)}
