@@ -16,6 +16,7 @@ from loom.sample import (
     apply_banned,
     apply_logit_bias,
     apply_penalties,
+    apply_top_k_top_p,
     request_generator,
 )
 from loom.sampling_params import SamplingParams, SamplingType
@@ -559,6 +560,31 @@ def test_a_penalty_that_rounds_to_zero_still_draws_a_real_token():
                                 prompt_ids=[[7, 9], [7, 9]], output_ids=[[], []], banned=[(), ()])
     tokens = make_sampler(0)(logits, batch).token_ids.tolist()
     assert tokens[0] in (7, 9) and 0 <= tokens[1] < 300
+
+
+def test_top_p_on_its_candidates_keeps_what_the_whole_row_sort_keeps():
+    """Top-p sorts only each row's TOP_P_CANDIDATES most probable tokens where the rest weigh
+    at most 1 - p, else the whole row: the same tokens kept as sorting every row, on peaked and
+    flat rows (these take the whole sort), ties at the nucleus' end and at the candidates' edge,
+    banned tokens, and with top-k."""
+    from loom.sample.sampler import TOP_P_CANDIDATES, _top_p_sorted
+
+    vocab = 5000
+    logits = random_logits(8, vocab, seed=31)
+    logits[0] *= 4.0                               # peaked: a few tokens hold the nucleus
+    logits[1] *= 0.05                              # flat: the nucleus is wider than the candidates
+    logits[2, :40] = 9.0                           # forty equal tokens across the nucleus' end
+    logits[3, :TOP_P_CANDIDATES + 200] = 6.0       # ties across the candidates' edge
+    logits[4, 100:4000] = float("-inf")            # banned tokens
+    logits[5, :3] = float("-inf")
+    top_p = torch.tensor([0.9, 0.9, 0.5, 0.95, 0.8, 0.3, 0.99, 0.7])
+    for top_k in (torch.zeros(8, dtype=torch.int64), torch.tensor([0, 50, 0, 2000, 10, 0, 4000, 1])):
+        want, got = logits.clone(), logits.clone()
+        apply_top_k_top_p(want, top_k, None)       # top-k alone, then the whole-row sort
+        _top_p_sorted(want, top_p)
+        apply_top_k_top_p(got, top_k, top_p)
+        assert torch.equal(want.isneginf(), got.isneginf())
+        assert torch.equal(want[~want.isneginf()], got[~got.isneginf()])
 
 
 # ---------------------------------------------------------------- the kernels' sample_rows

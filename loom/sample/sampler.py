@@ -24,6 +24,9 @@ the same stages and tie rules in a few passes over each row, its sums in float64
 only the entries near the nucleus' end instead of the whole row. It agrees with the torch ops
 here up to rounding (tests/test_sampler.py runs every test on both); on Gemma 3's 262k-token
 rows it made a 32-row top-p step ~40x cheaper than torch's full sort (500 ms -> 12 ms).
+Without the kernels, top-p sorts only a row's TOP_P_CANDIDATES most probable tokens where
+the rest weigh at most 1 - p (the same tokens kept; 32 peaked 262k-token rows: 478 -> 75 ms),
+else the whole row.
 
 Every stage works on whole rows at once, and only on the rows that use it. The uniform
 of a row with its own generator is drawn from that generator alone, one per step, and
@@ -295,36 +298,71 @@ def _flat_keys(rows: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
     return row[keep] * vocab_size + ids[keep]
 
 
+# top-p without a whole-row sort: the rows' TOP_P_CANDIDATES most probable tokens (and any tied
+# with the last of them) hold the nucleus' end wherever the rest weigh at most 1 - p; only they
+# are sorted. Rows whose nucleus is wider take the full sort.
+TOP_P_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> None:
     """Mask to -inf, in place, the logits outside each row's top-k and top-p sets.
 
     top_k [R] int64: k <= 0 or k >= V keeps every token; otherwise tokens below the k-th
     largest logit are dropped (ties with it are kept). top_p [R] float32 or None: on the
     softmax of what top-k kept, drop the least probable tokens while their total stays
-    <= 1 - p; the most probable token is always kept.
+    <= 1 - p; the most probable token is always kept. Tokens of equal probability are taken in
+    a stable ascending sort (the lower id is dropped first).
     """
     vocab = logits.shape[1]
     k_on = (top_k > 0) & (top_k < vocab)
-    if top_p is None:
-        if not k_on.any():
-            return
+    if k_on.any():
         k = torch.where(k_on, top_k, 1)
         largest = logits.topk(int(k.max()), dim=1).values
         threshold = largest.gather(1, (k - 1).unsqueeze(1))
         threshold.masked_fill_(~k_on.unsqueeze(1), float("-inf"))
         logits.masked_fill_(logits < threshold, float("-inf"))
+    if top_p is None:
         return
+    rows = torch.arange(logits.shape[0])
+    if vocab > TOP_P_CANDIDATES:
+        rows = _top_p_candidates(logits, top_p)
+    if rows.numel():
+        sub = logits[rows]
+        _top_p_sorted(sub, top_p[rows])
+        logits[rows] = sub
 
+
+def _top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-p over whole rows: one stable ascending sort each."""
     ascending, order = logits.sort(dim=1, stable=True)
-    if k_on.any():
-        kth = (vocab - torch.where(k_on, top_k, vocab)).unsqueeze(1)
-        threshold = ascending.gather(1, kth)
-        threshold.masked_fill_(~k_on.unsqueeze(1), float("-inf"))
-        ascending.masked_fill_(ascending < threshold, float("-inf"))
     below = ascending.softmax(dim=1).cumsum(dim=1) <= (1 - top_p).unsqueeze(1)
     below[:, -1] = False
     drop = ascending.isneginf() | below
     logits.masked_fill_(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def _top_p_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p, in place, on the rows whose TOP_P_CANDIDATES most probable tokens hold the
+    nucleus' end (the rest weigh at most 1 - p: all of them are dropped, and the candidates'
+    ascending sums start from their weight); returns the other rows, left to the full sort."""
+    m = TOP_P_CANDIDATES
+    probs = logits.softmax(dim=1)                                         # [R, V]
+    top, ids = probs.topk(m, dim=1)                                       # [R, m] most probable first
+    edge = top[:, -1:]                                                    # [R, 1] the m-th largest
+    outside = probs < edge                                                # [R, V]
+    rest = probs.sum(dim=1) - top.sum(dim=1)                              # [R] the others' weight
+    # no token outside ties with the edge (a tie across it leaves the choice to the sort)
+    ok = (outside.sum(dim=1) == probs.shape[1] - m) & (edge.squeeze(1) > 0) & (rest <= 1 - top_p)
+    done = ok.nonzero().squeeze(1)
+    if done.numel():
+        ids = ids[done].sort(dim=1).values                                # [D, m] ascending ids
+        p_sorted, by = probs[done].gather(1, ids).sort(dim=1, stable=True)   # ties: the lower id first
+        below = rest[done].unsqueeze(1) + p_sorted.cumsum(dim=1) <= (1 - top_p[done]).unsqueeze(1)
+        below[:, -1] = False
+        logits.masked_fill_(outside & ok.unsqueeze(1), float("-inf"))
+        dropped = ids.gather(1, by)[below]
+        logits[done.unsqueeze(1).expand_as(below)[below], dropped] = float("-inf")
+    return (~ok).nonzero().squeeze(1)
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
