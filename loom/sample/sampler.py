@@ -298,9 +298,9 @@ def _flat_keys(rows: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
     return row[keep] * vocab_size + ids[keep]
 
 
-# top-p without a whole-row sort: the rows' TOP_P_CANDIDATES most probable tokens (and any tied
-# with the last of them) hold the nucleus' end wherever the rest weigh at most 1 - p; only they
-# are sorted. Rows whose nucleus is wider take the full sort.
+# top-p without a whole-row sort: a row's TOP_P_CANDIDATES most probable tokens hold the nucleus'
+# end wherever the rest weigh at most 1 - p; only they are sorted. Rows whose nucleus is wider, or
+# with a token outside tied with the last of them, take the whole sort.
 TOP_P_CANDIDATES = 1024
 
 
