@@ -323,13 +323,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         logits.masked_fill_(logits < threshold, float("-inf"))
     if top_p is None:
         return
-    rows = torch.arange(logits.shape[0])
-    if vocab > TOP_P_CANDIDATES:
-        rows = _top_p_candidates(logits, top_p)
-    if rows.numel():
-        sub = logits[rows]
-        _top_p_sorted(sub, top_p[rows])
-        logits[rows] = sub
+    if vocab <= TOP_P_CANDIDATES:
+        _top_p_sorted(logits, top_p)
+        return
+    rest = _top_p_candidates(logits, top_p)   # the rows whose nucleus the candidates do not hold
+    if rest.numel():
+        sub = logits[rest]
+        _top_p_sorted(sub, top_p[rest])
+        logits[rest] = sub
 
 
 def _top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> None:
