@@ -292,6 +292,41 @@ def test_rollback_under_preemption_and_prefix_caching_keeps_the_pool_consistent(
     assert engine.kv.usage() == 0.0 and engine.kv.num_free_blocks() == 40
 
 
+def test_plain_steps_of_a_speculating_engine_ask_for_the_argmax_alone(tiny_parts, monkeypatch):
+    """With speculation on, a step of plain greedy rows that verifies no draft and feeds the
+    drafter nothing (prompt lookup learns from no logits) asks the output layer for the argmax
+    alone, as a step without speculation does (on AVX-512 kernels no logits are kept); steps
+    that verify drafts keep them. The tokens are plain decoding's."""
+    from loom import kernels
+    from loom.model.build import load_model
+    from loom.model.layers.linear import QuantLinear
+
+    path, _, tok = tiny_parts
+    model = load_model(path, linear="auto")
+
+    def make(spec):
+        return Engine(EngineConfig.create(str(path), speculative_config=spec, block_size=4, num_blocks=512,
+                                          max_num_batched_tokens=64, max_num_seqs=16), model=model, tokenizer=tok)
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in run(make(None), REPEATING, params)]
+    engine = make(method_config("prompt_lookup"))
+    calls = []
+    logits = engine.runner.model.compute_logits
+
+    def spy(hidden, argmax=None, argmax_only=False):
+        out = logits(hidden, argmax, argmax_only)
+        calls.append((argmax_only, out is None))
+        return out
+
+    monkeypatch.setattr(engine.runner.model, "compute_logits", spy)
+    assert [o.token_ids for o in run(engine, REPEATING, params)] == want
+    assert engine.runner.spec.stats.num_draft_tokens > 0
+    assert any(only for only, _ in calls) and not all(only for only, _ in calls)
+    unstored = kernels.variant() == "avx512" and isinstance(model.lm_head, QuantLinear)
+    assert any(none for _, none in calls) == unstored
+
+
 def test_stop_strings_and_max_tokens_cut_multi_token_steps_exactly(tiny_parts):
     tok = tiny_parts[2]
     base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

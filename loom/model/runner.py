@@ -148,7 +148,9 @@ class ModelRunner:
         # each row's argmax where the output layer's refinement knows it, else -1
         known = torch.empty(len(rows), dtype=torch.int64)
         # a step of plain greedy rows reads only the argmax: the logits need not be kept (None)
-        argmax_only = self.spec is None and all(self._argmax_only(out.seqs[i].req_id) for i in sample_seqs)
+        argmax_only = (all(self._argmax_only(out.seqs[i].req_id) for i in sample_seqs) and
+                       (self.spec is None or not self.spec.reads_logits([out.seqs[i] for i in sample_seqs],
+                                                                         len(out.seqs))))
         logits = self.model.compute_logits(hidden[rows], known, argmax_only)          # [R, V]
         if self.spec is None:
             result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs], known)

@@ -115,16 +115,25 @@ class SpecDecoder:
             self.controller.cost.calibrate(b, b * k, seconds, ctx)
 
     # -- one step -------------------------------------------------------------------------
+    def reads_logits(self, seqs: list[ScheduledSeq], batch: int) -> bool:
+        """Whether step() reads the logits beyond what sampling the plain rows needs: a draft to
+        verify, or rows the drafter learns from (none while the controller skips its plans at
+        this batch size: see _observed). A step of plain greedy rows that reads none is given
+        the argmax alone, as a step without speculation is."""
+        all_plain = not any(s.draft_parents for s in seqs)
+        return not all_plain or (bool(self.drafter.observe_topk) and not self.controller.idle(batch))
+
     def step(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],
-             logits: torch.Tensor, known: torch.Tensor | None = None) -> RunnerOutput:
+             logits: torch.Tensor | None, known: torch.Tensor | None = None) -> RunnerOutput:
         """`seqs` are the sampled sequences; `logits` holds `counts[i]` rows for seqs[i] (1, or
-        1 + its draft's nodes); `known` [R]: each row's argmax where the output layer found it,
-        else -1 (None: not given); everything of the runner it needs comes through `host`."""
+        1 + its draft's nodes), or is None where reads_logits was false and every row's argmax is
+        known; `known` [R]: each row's argmax where the output layer found it, else -1 (None: not
+        given); everything of the runner it needs comes through `host`."""
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)
         plain = [i for i, s in enumerate(seqs) if not s.draft_parents]
-        at = None if len(plain) == logits.shape[0] else [starts[i] for i in plain]
+        at = None if len(plain) == starts[-1] else [starts[i] for i in plain]
         plain_known = known if at is None or known is None else known[at]
         result = host.sample(logits, [seqs[i].req_id for i in plain], plain_known, at) if plain else RunnerOutput({})
         topk = self._observed(seqs, len(plain) == len(seqs), logits, len(out.seqs))
