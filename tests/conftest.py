@@ -217,3 +217,17 @@ def run_to_end(engine, prompts, params) -> list:
         for out in gather.add_all(engine.step()):
             finals[out.request_id] = out
     return [finals[i] for i in ids]
+
+
+def spy_logits(monkeypatch, engine) -> list[tuple[bool, bool]]:
+    """Records each of the engine's output-layer calls as (argmax_only asked, no logits kept)."""
+    calls: list[tuple[bool, bool]] = []
+    logits = engine.runner.model.compute_logits
+
+    def spy(hidden, argmax=None, argmax_only=False):
+        out = logits(hidden, argmax, argmax_only)
+        calls.append((argmax_only, out is None))
+        return out
+
+    monkeypatch.setattr(engine.runner.model, "compute_logits", spy)
+    return calls

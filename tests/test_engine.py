@@ -624,6 +624,8 @@ def test_greedy_steps_that_keep_no_logits_decode_as_steps_that_keep_them(tiny_pa
     AVX-512 kernels it then stores no logits (compute_logits returns None). The tokens are those
     of steps that keep the logits, in a batch beside a sampled request (whose steps keep them)
     and where the kernel leaves a row undecided (-1: the output layer computes the logits)."""
+    from conftest import spy_logits
+
     from loom import kernels
     from loom.config import EngineConfig
     from loom.model.build import load_model
@@ -637,15 +639,7 @@ def test_greedy_steps_that_keep_no_logits_decode_as_steps_that_keep_them(tiny_pa
 
     def run(extra: bool) -> tuple[dict[str, list[int]], list]:
         engine = Engine(EngineConfig.create(str(path), block_size=4, num_blocks=512), model=model, tokenizer=tok)
-        calls = []
-        logits = engine.runner.model.compute_logits
-
-        def spy(hidden, argmax=None, argmax_only=False):
-            out = logits(hidden, argmax, argmax_only)
-            calls.append((argmax_only, out is None))
-            return out
-
-        monkeypatch.setattr(engine.runner.model, "compute_logits", spy)
+        calls = spy_logits(monkeypatch, engine)
         for i, p in enumerate(prompts):
             engine.add_request({"prompt_token_ids": p}, greedy, request_id=str(i))
         if extra:

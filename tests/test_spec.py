@@ -297,6 +297,8 @@ def test_plain_steps_of_a_speculating_engine_ask_for_the_argmax_alone(tiny_parts
     drafter nothing (prompt lookup learns from no logits) asks the output layer for the argmax
     alone, as a step without speculation does (on AVX-512 kernels no logits are kept); steps
     that verify drafts keep them. The tokens are plain decoding's."""
+    from conftest import spy_logits
+
     from loom import kernels
     from loom.model.build import load_model
     from loom.model.layers.linear import QuantLinear
@@ -311,15 +313,7 @@ def test_plain_steps_of_a_speculating_engine_ask_for_the_argmax_alone(tiny_parts
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in run(make(None), REPEATING, params)]
     engine = make(method_config("prompt_lookup"))
-    calls = []
-    logits = engine.runner.model.compute_logits
-
-    def spy(hidden, argmax=None, argmax_only=False):
-        out = logits(hidden, argmax, argmax_only)
-        calls.append((argmax_only, out is None))
-        return out
-
-    monkeypatch.setattr(engine.runner.model, "compute_logits", spy)
+    calls = spy_logits(monkeypatch, engine)
     assert [o.token_ids for o in run(engine, REPEATING, params)] == want
     assert engine.runner.spec.stats.num_draft_tokens > 0
     assert any(only for only, _ in calls) and not all(only for only, _ in calls)
