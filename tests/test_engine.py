@@ -665,7 +665,7 @@ def test_greedy_steps_that_keep_no_logits_decode_as_steps_that_keep_them(tiny_pa
     monkeypatch.setattr(QuantLinear, "top_logits", undecided)
     again, calls = run(extra=False)
     assert again == base and not any(none for _, none in calls)
-    monkeypatch.setattr("loom.model.runner.ModelRunner._argmax_only", lambda self, rid: False)
+    monkeypatch.setattr("loom.model.runner._ReqState.argmax_only", property(lambda self: False))
     kept, calls = run(extra=False)
     assert kept == base and not any(only for only, _ in calls)
 

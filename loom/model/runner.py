@@ -70,6 +70,11 @@ class _ReqState:
                 and p.repetition_penalty == 1 and len(self.output_token_ids) >= p.min_tokens
                 and not p.restricts_tokens)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Plain greedy without a grammar: this step's token is the logits' argmax as computed."""
+        return self.plain_greedy and self.matcher is None
+
     def banned(self) -> tuple[int, ...]:
         """The ids this step must not sample: stop ids before min_tokens, and the last token of
         every bad word whose other tokens end the output (vLLM's rule: the output only)."""
@@ -148,7 +153,7 @@ class ModelRunner:
         # each row's argmax where the output layer's refinement knows it, else -1
         known = torch.empty(len(rows), dtype=torch.int64)
         # a step of plain greedy rows reads only the argmax: the logits need not be kept (None)
-        argmax_only = (all(self._argmax_only(out.seqs[i].req_id) for i in sample_seqs) and
+        argmax_only = (all(self.states[out.seqs[i].req_id].argmax_only for i in sample_seqs) and
                        (self.spec is None or not self.spec.reads_logits([out.seqs[i] for i in sample_seqs],
                                                                          len(out.seqs))))
         logits = self.model.compute_logits(hidden[rows], known, argmax_only)          # [R, V]
@@ -284,11 +289,6 @@ class ModelRunner:
             bias=[st.bias for st in states],
         )
 
-    def _argmax_only(self, req_id: str) -> bool:
-        """Whether this step's sample of the request reads nothing but the argmax (see _sample)."""
-        st = self.states[req_id]
-        return st.plain_greedy and st.matcher is None
-
     def _take_greedy(self, states: list[_ReqState], req_ids: list[str], tokens: list[int]) -> RunnerOutput:
         for st, tok in zip(states, tokens):
             self._take(st, tok)
@@ -303,7 +303,7 @@ class ModelRunner:
         are not: a gather of 262k-wide rows costs ~0.1 ms each)."""
         states = [self.states[r] for r in req_ids]
         greedy = all(st.plain_greedy for st in states)   # the common case: no sampling batch to build
-        if greedy and known is not None and all(st.matcher is None for st in states):
+        if known is not None and all(st.argmax_only for st in states):
             tokens = known.tolist()
             if tokens and min(tokens) >= 0:   # always so where logits is None (output_logits)
                 return self._take_greedy(states, req_ids, tokens)

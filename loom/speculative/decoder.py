@@ -121,7 +121,11 @@ class SpecDecoder:
         this batch size: see _observed). A step of plain greedy rows that reads none is given
         the argmax alone, as a step without speculation is."""
         all_plain = not any(s.draft_parents for s in seqs)
-        return not all_plain or (bool(self.drafter.observe_topk) and not self.controller.idle(batch))
+        return not all_plain or self._observes(all_plain, batch)
+
+    def _observes(self, all_plain: bool, batch: int) -> bool:
+        """Whether this step feeds the drafter any rows' top-k (see _observed)."""
+        return bool(self.drafter.observe_topk) and not (all_plain and self.controller.idle(batch))
 
     def step(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq], counts: list[int],
              logits: torch.Tensor | None, known: torch.Tensor | None = None) -> RunnerOutput:
@@ -151,7 +155,7 @@ class SpecDecoder:
         batch size (the last ones drafted nothing) it feeds nothing: what it would learn serves
         drafts the controller has just found not to pay, and the top-k was most of an idle
         step's cost (Gemma 3's 262k-wide rows)."""
-        if not self.drafter.observe_topk or (all_plain and self.controller.idle(batch)):
+        if not self._observes(all_plain, batch):
             return None
         if not (all_plain and len(seqs) > OBSERVE_PLAIN_BATCH):
             return topk_indices(logits, self.drafter.observe_topk).tolist()
