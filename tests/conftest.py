@@ -113,6 +113,10 @@ def spec_bench_questions() -> list[dict]:
 
 # -- real models, loaded at most once per session --------------------------------------------------
 
+# The two modes of a real-model test: loom's exact mode (float32 weights and activations on torch's
+# GEMMs and attention; marked, since it runs no kernel of the variant under test) and the default.
+MODEL_DTYPES = [pytest.param("float32", marks=pytest.mark.float32_model), "auto"]
+
 
 class RealModels:
     """Lazy, per-session loads of the shipped models: loom's (model, tokenizer) and transformers'

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import MODEL_DTYPES
 
 from loom.config import CacheConfig, SchedulerConfig
 from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq
@@ -969,7 +970,7 @@ def test_workload_shape(workload):
 
 # Both modes: float32 (exact) and the default (loom's kernels: int8 activations, float16 KV cache),
 # where a difference in the last bit would be amplified by the activation quantization.
-MODES = ["float32", "auto"]
+MODES = MODEL_DTYPES
 
 
 @pytest.mark.real_model

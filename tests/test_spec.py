@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from conftest import MODEL_DTYPES
 
 from loom.config import EngineConfig
 from loom.contracts import DraftTree
@@ -470,7 +471,7 @@ def greedy() -> SamplingParams:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("dtype", ["float32", "auto"])
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_outputs_with_speculation_equal_outputs_without(real_models, category_prompts, method, dtype,
                                                                tmp_path):
