@@ -139,14 +139,12 @@ class RealModels:
         return self._loom[name, dtype]
 
     def hf(self, name: str):
-        """The transformers model of the same file, float32, in eval mode."""
+        """The transformers model of the same file, float32, in eval mode (converted by transformers
+        once per file and version: tests/hf_reference.py)."""
         if name not in self._hf:
-            import torch
-            from transformers import AutoModelForCausalLM
+            import hf_reference
 
-            path = real_model_path(name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-            self._hf[name] = model.eval()
+            self._hf[name] = hf_reference.load(real_model_path(name))
         return self._hf[name]
 
     def engine(self, name: str, dtype: str = "float32", **options):
