@@ -56,7 +56,7 @@ def load(path: Path):
     if saved.is_dir():
         try:
             return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
-        except (OSError, ValueError, RuntimeError):
+        except Exception:   # a truncated file is safetensors' own error type: any failure converts again
             shutil.rmtree(saved, ignore_errors=True)
     with _one_parse():
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
