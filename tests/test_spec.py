@@ -543,6 +543,27 @@ def test_cost_model_never_estimates_zero_or_below_the_plain_pass():
     assert cost.cost(3, 32) > 0
 
 
+def test_cost_model_prices_one_node_at_its_calibrated_point_not_the_next_segment_extended():
+    """The first node of a batch costs more than each further one: from the segment between 8
+    and 16 nodes alone, one node among 8 sequences would cost nothing (the curve would fall below
+    the plain pass there); the calibration's X = 1 point prices it."""
+    from loom.speculative.controller import CostModel
+
+    cost = CostModel()
+    for extra, seconds in ((0, 0.010), (8, 0.012), (16, 0.016)):
+        cost.calibrate(8, extra, seconds)
+    assert cost.cost(8, 1) == cost.cost(8, 0)      # the segment (8, 16) extended down to one node
+    cost = CostModel()
+    for extra, seconds in ((0, 0.010), (1, 0.0115), (8, 0.012), (16, 0.016)):
+        cost.calibrate(8, extra, seconds)
+    assert cost.cost(8, 1) == pytest.approx(0.0115)
+    assert cost.cost(8, 4) == pytest.approx(0.0115 + 0.0005 * 3 / 7)
+    ctl = SpecController(4, lambda k: k)
+    ctl.cost = cost
+    ids = [f"s{i}" for i in range(8)]
+    assert ctl.plan(ids, 8, [0] * 7 + [1], 0.0) == [0] * 8   # one node that half the drafts pass: not worth 15%
+
+
 def test_cost_model_keeps_the_calibrated_price_of_drafts_when_its_plain_average_drifts():
     """A slow moment inflates the learned plain-step cost; a draft then must not look free."""
     from loom.speculative.controller import CostModel

@@ -134,8 +134,13 @@ def test_concurrent_additions_and_lookups_stay_consistent():
 GRID = Grid(contexts=(64, 1024), batches=(1, 2, 4), drafts=(0, 2, 4))
 
 
-def true_cost(n: int, b: int, k: int) -> float:
-    return 0.010 + 0.001 * b * (1 + k) + 0.000002 * n * b
+def true_cost(n: int, b: int, x: int) -> float:
+    """Seconds of a pass of b sequences carrying x draft nodes in all at a context of n."""
+    return 0.010 + 0.001 * (b + x) + 0.000002 * n * b + (0.0005 if x else 0.0)
+
+
+def point_of(seqs) -> tuple[int, int, int]:
+    return seqs[0].start_pos, len(seqs), sum(len(s.token_ids) - 1 for s in seqs)
 
 
 class Timer:
@@ -146,19 +151,30 @@ class Timer:
 
     def __call__(self, seqs) -> float:
         self.calls += 1
-        b, k, n = len(seqs), len(seqs[0].token_ids) - 1, seqs[0].start_pos
-        cost = true_cost(n, b, k)
-        if self.slow.get((n, b, k), 0) > 0:
-            self.slow[(n, b, k)] -= 1
+        p = point_of(seqs)
+        assert all(list(s.draft_parents) == list(range(-1, len(s.token_ids) - 2)) for s in seqs)   # chains
+        cost = true_cost(*p)
+        if self.slow.get(p, 0) > 0:
+            self.slow[p] -= 1
             return 50 * cost
         return cost
 
 
+def test_the_grid_times_k_nodes_on_every_sequence_and_one_node_alone():
+    assert [x for n, b, x in GRID.points() if (n, b) == (64, 1)] == [0, 2, 4]
+    assert [x for n, b, x in GRID.points() if (n, b) == (64, 4)] == [0, 1, 8, 16]
+    assert GRID.larger((64, 2, 1)) == [(64, 2, 4), (64, 4, 1), (1024, 2, 1)]
+    assert GRID.larger((64, 2, 4)) == [(64, 2, 8), (64, 4, 8), (1024, 2, 4)]
+    seen = []
+    measure(lambda seqs: seen.append(point_of(seqs)) or 0.01, GRID, vocab_size=50, block_size=16)
+    assert set(seen) == set(GRID.points())
+
+
 def test_slow_points_are_timed_again_or_clipped_to_the_grid_order():
-    # (64, 2, 2) is slow for 3 passes (REPEATS): re-timed; (1024, 4, 0) slow for ever: clipped
-    times = measure(Timer({(64, 2, 2): 3, (1024, 4, 0): 10 ** 6}), GRID, vocab_size=50, block_size=16)
-    assert times[(64, 2, 2)] == pytest.approx(true_cost(64, 2, 2))
-    assert times[(1024, 4, 0)] <= times[(1024, 4, 2)]
+    # (64, 2, 4) is slow for 3 passes (REPEATS): re-timed; (1024, 4, 0) slow for ever: clipped
+    times = measure(Timer({(64, 2, 4): 3, (1024, 4, 0): 10 ** 6}), GRID, vocab_size=50, block_size=16)
+    assert times[(64, 2, 4)] == pytest.approx(true_cost(64, 2, 4))
+    assert times[(1024, 4, 0)] <= times[(1024, 4, 1)]
     for p in GRID.points():
         for q in GRID.larger(p):
             assert times[p] <= times[q]
@@ -175,9 +191,8 @@ class Burst:
 
     def __call__(self, seqs) -> float:
         self.calls += 1
-        b, k, n = len(seqs), len(seqs[0].token_ids) - 1, seqs[0].start_pos
         slow = self.first <= self.calls < self.first + self.length
-        return true_cost(n, b, k) * (1.4 if slow else 1)
+        return true_cost(*point_of(seqs)) * (1.4 if slow else 1)
 
 
 @pytest.mark.parametrize("first", [2, 7, 20])

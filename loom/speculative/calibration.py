@@ -1,7 +1,11 @@
 """The cost model's calibration: timed forward passes, cleaned of interference, cached per machine.
 
-Points. A pass of B sequences at a context of N tokens, each carrying k draft nodes (X = B * k
-extra tokens), is timed at every (N, B, k) of a small grid (`Grid`). Each point is the fastest
+Points. A pass of B sequences at a context of N tokens carrying X draft nodes in all is timed at
+every (N, B, X) of a small grid (`Grid`): X = B * k with k nodes on every sequence, and, in a batch
+of several, X = 1 (one sequence drafts one node). That first node costs more than each of the next
+ones (SmolLM2 at 8 sequences, AVX-512: +1.0 ms, 15% of the pass, then ~0.4 ms a node), and without
+the point the controller's curve over X > 0 extended the segment between B and 2B nodes down to
+X = 1, where it priced a single node at nothing. Each point is the fastest
 of REPEATS passes, taken in REPEATS rounds over the whole grid rather than back to back: a burst
 of interference (another process on a core for a second) then slows one pass of a point, not
 all of them. Timed back to back, a burst once took all three passes of SmolLM2's plain 8-sequence
@@ -12,7 +16,9 @@ of a pass never falls when N, B or k grows, so a point slower than one of its la
 is timed again (RETRIES rounds), and whatever still breaks the order is clipped to its
 neighbours' cost:
 
-    (N, B, k) <= (N, B, k'), (N, B', k), (N', B, k)     for k' > k, B' > B, N' > N
+    (N, B, X) <= (N, B, X'), (N, B', X B' / B), (N', B, X)     for X' > X, B' > B, N' > N
+
+(one node among B sequences, X = 1, counts as one among B' as well: (N, B, 1) <= (N, B', 1)).
 
 Cache. Timing the grid takes seconds, so the points are kept beside the packed weights
 (loom/model/pack_cache.py), one JSON file per machine and model set-up:
@@ -46,14 +52,14 @@ from loom.loader.cache import CacheWriteError, atomic_write, cache_root, loom_ve
 
 log = logging.getLogger("loom")
 
-COST_FORMAT = 2                   # 2: points timed in rounds over the grid (1's files may hold a burst)
+COST_FORMAT = 3                   # 3: points by total draft nodes, with one node alone (2: nodes per sequence)
 BATCHES = (1, 2, 4, 8, 16)
 DRAFTS = (0, 1, 2, 4, 8)          # draft nodes per sequence
 CONTEXTS = (64, 1024)             # context lengths (tokens in the cache), shortest first
 REPEATS = 3                       # rounds of passes over the grid; a point's fastest counts
 RETRIES = 3                       # rounds of re-timing the points that break the order
 
-Point = tuple[int, int, int]      # (context, batch, draft nodes per sequence)
+Point = tuple[int, int, int]      # (context, batch, draft nodes in all)
 
 
 @dataclass(frozen=True)
@@ -74,18 +80,27 @@ class Grid:
         batches = tuple(b for b in BATCHES if b <= max_num_seqs and b * per_seq <= num_blocks)
         return cls(ctxs, batches, tuple(k for k in DRAFTS if k <= max_drafts))
 
+    def extras(self, batch: int) -> list[int]:
+        """The draft node counts timed at `batch` sequences: k on every one, and one alone."""
+        lone = [1] if batch > 1 and any(self.drafts) else []
+        return sorted(set(lone) | {batch * k for k in self.drafts})
+
     def points(self) -> list[Point]:
-        return [(n, b, k) for n in self.contexts for b in self.batches for k in self.drafts]
+        return [(n, b, x) for n in self.contexts for b in self.batches for x in self.extras(b)]
 
     def larger(self, p: Point) -> list[Point]:
-        """The next point up along each axis."""
+        """The next point up along each axis: more nodes, more sequences (as many nodes each, or
+        still one alone), a longer context."""
+        n, b, x = p
         out = []
-        for axis, values in enumerate((self.contexts, self.batches, self.drafts)):
-            i = values.index(p[axis])
-            if i + 1 < len(values):
-                q = list(p)
-                q[axis] = values[i + 1]
-                out.append(tuple(q))
+        xs = self.extras(b)
+        if xs.index(x) + 1 < len(xs):
+            out.append((n, b, xs[xs.index(x) + 1]))
+        if self.batches.index(b) + 1 < len(self.batches):
+            b2 = self.batches[self.batches.index(b) + 1]
+            out.append((n, b2, x if x == 1 and b > 1 else x // b * b2))
+        if self.contexts.index(n) + 1 < len(self.contexts):
+            out.append((self.contexts[self.contexts.index(n) + 1], b, x))
         return out
 
 
@@ -96,10 +111,11 @@ def measure(time_forward: Callable[[list[ScheduledSeq]], float], grid: Grid, voc
     per_seq = -(-(max(grid.contexts) + max(grid.drafts) + 1) // block_size)
 
     def seqs(p: Point) -> list[ScheduledSeq]:
-        n, b, k = p
+        n, b, x = p
+        nodes = [x // b + (i < x % b) for i in range(b)]   # chains, spread evenly from the first sequence
         return [ScheduledSeq(f"calibrate{i}", torch.randint(vocab_size, (1 + k,), generator=gen).tolist(), n,
                              list(range(i * per_seq, (i + 1) * per_seq)), True, tuple(range(-1, k - 1)))
-                for i in range(b)]
+                for i, k in enumerate(nodes)]
 
     points = grid.points()
     time_forward(seqs(points[0]))      # the first pass pays one-time costs
@@ -156,7 +172,7 @@ _unwritable: set[str] = set()
 
 
 def save(key: dict, times: dict[Point, float]) -> None:
-    body = json.dumps({"key": key, "points": [[n, b, k, s] for (n, b, k), s in sorted(times.items())]})
+    body = json.dumps({"key": key, "points": [[n, b, x, s] for (n, b, x), s in sorted(times.items())]})
     target = _path(key)
     try:
         atomic_write(target, lambda f: f.write(body.encode()))

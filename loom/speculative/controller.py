@@ -6,7 +6,8 @@ calibration (timed forward passes of the runner at a few (B, X) points and two c
 lengths, made before any request exists) and keeps learning from every step without
 prefill chunks (an average per observed (B, X)). Between points it interpolates linearly;
 X = 0 is its own point, since an all-decode batch may take a faster path than one with
-drafts. The calibration's ratio cost(B, X) / cost(B, 0), at the batch's mean context
+drafts, and the calibration times X = 1 in every batch, since the first node costs more than
+each further one. The calibration's ratio cost(B, X) / cost(B, 0), at the batch's mean context
 length, is a floor under the learned one (see `CostModel`): a draft row attends over its
 whole context, so drafts cost more, relative to plain decoding, in long contexts.
 

@@ -101,7 +101,7 @@ class SpecDecoder:
     def calibrate(self, time_forward: Callable[[list[ScheduledSeq]], float], max_num_seqs: int,
                   identity: dict | None = None) -> None:
         """Feeds the cost model the times of forward passes (`time_forward(seqs)` -> seconds) at a
-        grid of (sequences, draft nodes each) and context lengths (loom.speculative.calibration),
+        grid of (sequences, draft nodes) and context lengths (loom.speculative.calibration),
         cached under `identity` (what names the model and its set-up; None: not cached). Run
         before any request holds KV blocks (the passes write into free blocks)."""
         cfg, env = self.env.target.cfg, self.env
@@ -111,8 +111,8 @@ class SpecDecoder:
             times = measure(time_forward, grid, cfg.vocab_size, env.block_size) if grid.points() else {}
         else:
             times = calibrated(time_forward, grid, identity, cfg.vocab_size, env.block_size)
-        for (ctx, b, k), seconds in times.items():
-            self.controller.cost.calibrate(b, b * k, seconds, ctx)
+        for (ctx, b, x), seconds in times.items():
+            self.controller.cost.calibrate(b, x, seconds, ctx)
 
     # -- one step -------------------------------------------------------------------------
     def reads_logits(self, seqs: list[ScheduledSeq], batch: int) -> bool:
