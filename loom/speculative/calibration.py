@@ -2,10 +2,10 @@
 
 Points. A pass of B sequences at a context of N tokens carrying X draft nodes in all is timed at
 every (N, B, X) of a small grid (`Grid`): X = B * k with k nodes on every sequence, and, in a batch
-of several, X = 1 (one sequence drafts one node). That first node costs more than each of the next
-ones (SmolLM2 at 8 sequences, AVX-512: +1.0 ms, 15% of the pass, then ~0.4 ms a node), and without
-the point the controller's curve over X > 0 extended the segment between B and 2B nodes down to
-X = 1, where it priced a single node at nothing. Each point is the fastest
+of several, X = 1 (one sequence drafts one node). That first node costs more than each of the
+next ones (SmolLM2 at 8 sequences, AVX-512: +1.0 ms on a 6.4 ms forward pass, then ~0.4 ms a
+node), and without the point the controller's curve over X > 0 extended the segment between B
+and 2B nodes down to X = 1, where it priced a single node at nothing. Each point is the fastest
 of REPEATS passes, taken in REPEATS rounds over the whole grid rather than back to back: a burst
 of interference (another process on a core for a second) then slows one pass of a point, not
 all of them. Timed back to back, a burst once took all three passes of SmolLM2's plain 8-sequence
