@@ -2,15 +2,15 @@
 loom with, kept on disk between sessions.
 
 transformers converts the GGUF itself (its own tensor names, permutations and dequantization),
-which keeps the reference independent of loom's loader, but slowly: 34-39 s for Gemma 3 here, most of it
-`gguf.GGUFReader` parsing the 262,144-token vocabulary element by element, once for the config
-and once more for the weights. The conversion here parses the file once, and its result is saved
-(`save_pretrained`, float32 safetensors) under
+which keeps the reference independent of loom's loader, but slowly: 34-39 s for Gemma 3 here,
+most of it `gguf.GGUFReader` parsing the 262,144-token vocabulary element by element, once for
+the config and once more for the weights. The conversion here parses the file once, and its
+result is saved (`save_pretrained`, float32 safetensors) under
 
     $LOOM_CACHE/test-references/<sha256 of the GGUF>[:16]-transformers-<version>-torch-<version>/
 
-so later sessions load it in 0.1 s (1.5 GB for both shipped models; a conversion under
-other versions replaces the file's older directories). A directory that does not load (a run
+so later sessions load it in 0.1 s (1.5 GB for both shipped models; a conversion under other
+versions replaces the file's older directories). A directory that does not load (a run
 killed while writing it, a disk that filled up) is converted and written again; one that cannot
 be written leaves the conversion to every session.
 """

@@ -12,7 +12,7 @@ all of them. Timed back to back, a burst once took all three passes of SmolLM2's
 points (22 ms measured against 12 ms), so drafts there looked nearly free and the controller
 drafted at a loss at 8 concurrent requests (Spec-Bench 0.93-0.97x in five categories) until the
 cached calibration was thrown away. On a shared machine a point can still come out slow; the cost
-of a pass never falls when N, B or k grows, so a point slower than one of its larger neighbours
+of a pass never falls when N, B or X grows, so a point slower than one of its larger neighbours
 is timed again (RETRIES rounds), and whatever still breaks the order is clipped to its
 neighbours' cost:
 
@@ -92,15 +92,15 @@ class Grid:
         """The next point up along each axis: more nodes, more sequences (as many nodes each, or
         still one alone), a longer context."""
         n, b, x = p
+        xs, i, j = self.extras(b), self.batches.index(b), self.contexts.index(n)
         out = []
-        xs = self.extras(b)
         if xs.index(x) + 1 < len(xs):
             out.append((n, b, xs[xs.index(x) + 1]))
-        if self.batches.index(b) + 1 < len(self.batches):
-            b2 = self.batches[self.batches.index(b) + 1]
+        if i + 1 < len(self.batches):
+            b2 = self.batches[i + 1]
             out.append((n, b2, x if x == 1 and b > 1 else x // b * b2))
-        if self.contexts.index(n) + 1 < len(self.contexts):
-            out.append((self.contexts[self.contexts.index(n) + 1], b, x))
+        if j + 1 < len(self.contexts):
+            out.append((self.contexts[j + 1], b, x))
         return out
 
 
