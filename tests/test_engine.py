@@ -968,13 +968,13 @@ def test_workload_shape(workload):
     assert min(workload.max_tokens) == 1 and max(workload.max_tokens) == 48
 
 
-# Both modes: float32 (exact) and the default (loom's kernels: int8 activations, float16 KV cache),
-# where a difference in the last bit would be amplified by the activation quantization.
-MODES = MODEL_DTYPES
+# Both modes (MODEL_DTYPES): float32 (exact) and the default (loom's kernels: int8 activations,
+# float16 KV cache), where a difference in the last bit would be amplified by the activation
+# quantization.
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("dtype", MODES)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
 @pytest.mark.parametrize("block_size, budget", [(8, 64), (16, 256), (32, 2048)])
 def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, block_size, budget, dtype):
     engine = real_models.engine(SMOL, dtype, block_size=block_size, max_num_batched_tokens=budget,
@@ -997,7 +997,7 @@ def test_batched_greedy_outputs_equal_each_request_alone(real_models, workload, 
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("dtype", MODES)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
 def test_preemption_recomputes_to_the_same_outputs(real_models, workload, dtype):
     picks = [i for i in range(64) if 20 <= len(workload.prompts[i]) <= 90 and workload.max_tokens[i] >= 12][:8]
     assert len(picks) == 8
@@ -1015,7 +1015,7 @@ def test_preemption_recomputes_to_the_same_outputs(real_models, workload, dtype)
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("dtype", MODES)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
 def test_prefix_cache_serves_a_shared_system_prompt(real_models, dtype):
     from conftest import spec_bench_questions
 
