@@ -18,7 +18,9 @@ tree with parents [-1, 0, 1, ...].
     tokens  [the, a, cat, dog, sat]     parents [-1, -1, 0, 1, 2]     depths [1, 1, 2, 2, 3]
 
 Siblings hold distinct tokens: the recursive rejection sampler tries them one after the
-other and needs every candidate to be a different token.
+other and needs every candidate to be a different token. A tree may name its `source` (what
+it was drafted from, e.g. "prompt_lookup:4", a 4-gram match): the speculation controller
+keeps an acceptance rate per source.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from loom.sampling_params import SamplingParams
 class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
+    source: str | None = None
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -46,16 +49,16 @@ class DraftTree:
             seen.add((parent, tok))
 
     @classmethod
-    def chain(cls, tokens) -> "DraftTree":
+    def chain(cls, tokens, source: str | None = None) -> "DraftTree":
         tokens = tuple(tokens)
-        return cls(tokens, tuple(range(-1, len(tokens) - 1)))
+        return cls(tokens, tuple(range(-1, len(tokens) - 1)), source)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def cut(self, n: int) -> "DraftTree":
         """The first n nodes (a tree again: parents come first)."""
-        return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n])
+        return self if n >= len(self) else DraftTree(self.tokens[:n], self.parents[:n], self.source)
 
     @property
     def depths(self) -> list[int]:
