@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 
+import random
+
 import pytest
 import torch
 from conftest import MODEL_DTYPES
@@ -152,6 +154,113 @@ def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     assert lookup(toks, 3, 1, 3) == [4, 5, 6]          # latest occurrence of (1, 2, 3)
     assert lookup([1, 2, 3, 4], 2, 1, 3) == []
+
+
+def test_the_ngram_index_finds_what_the_scan_finds_as_the_context_grows():
+    from loom.speculative.drafters.prompt_lookup import NgramIndex
+
+    rng = random.Random(0)
+    for _ in range(200):
+        toks = [rng.randrange(rng.choice([3, 5, 20])) for _ in range(rng.randrange(1, 60))]
+        index = NgramIndex(1, 4)
+        for n in range(1, len(toks) + 1):
+            if rng.random() < 0.5 or n == len(toks):     # proposals a step or several apart
+                found, size = index.find(toks[:n], 5)
+                assert found == lookup(toks[:n], 5, 1, 4)
+                assert (size > 0) == bool(found)
+        other = [t + 1 for t in toks]                    # not the list it indexed grown: indexed afresh
+        assert index.find(other, 5)[0] == lookup(other, 5, 1, 4)
+
+
+def test_prompt_lookup_names_its_match_length_as_the_tree_source():
+    from types import SimpleNamespace
+
+    from loom.speculative.drafters import DraftRequest
+    from loom.speculative.drafters.prompt_lookup import PromptLookupDrafter
+
+    d = PromptLookupDrafter(SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=4), None)
+    long_, short, none = d.propose([DraftRequest("a", [1, 2, 3, 4, 5, 6, 1, 2, 3, 4], 3),
+                                    DraftRequest("b", [7, 8, 9, 7], 3), DraftRequest("c", [1, 2, 3], 3)])
+    assert long_ == DraftTree.chain([5, 6, 1], "prompt_lookup:4") and long_.cut(2).source == "prompt_lookup:4"
+    assert short.tokens == (8, 9, 7) and short.source == "prompt_lookup:1" and none is None
+
+
+def test_controller_keeps_a_rate_per_draft_source_and_plans_by_the_source_at_hand():
+    ctl = SpecController(8, depth=lambda k: k)
+    ctl.cost.observe(1, 0, 0.010)
+    ctl.cost.observe(1, 8, 0.014)            # eight nodes cost 40% more
+    for _ in range(10):
+        ctl.record("a", 8, 8, "prompt_lookup:4")     # long copies: every node accepted
+        ctl.record("a", 0, 8, "token_recycling")     # guesses: none
+    assert ctl.rate("a", "prompt_lookup:4") > 0.9 and ctl.rate("a", "token_recycling") < 0.1
+    assert ctl.plan(["a"], 1, [8], 0.0, sources=["prompt_lookup:4"]) == [8]
+    assert ctl.plan(["a"], 1, [8], 0.0, sources=["token_recycling"]) == [0] and ctl.idle(1)
+    # the plans skip their search now, but a fresh 4-gram match would pay: it wakes them
+    assert ctl.pays(["a"], ["prompt_lookup:4"], 1, 0.0) and not ctl.pays(["a"], ["token_recycling"], 1, 0.0)
+    assert not ctl.pays(["a"], [None], 1, 0.0)
+    # a new request starts from its source's average over the others
+    assert ctl.rate("b", "prompt_lookup:4") > 0.9 and ctl.rate("b", "token_recycling") < 0.3
+    # a source never seen: the average over every source's drafts, between the two
+    assert ctl.rate("b", "token_recycling") < ctl.rate("b", "retrieval") < ctl.rate("b", "prompt_lookup:4")
+
+
+def test_auto_takes_the_proposal_whose_source_the_controller_rates_highest():
+    from types import SimpleNamespace
+
+    from loom.speculative.drafters import DraftRequest
+    from loom.speculative.drafters.auto import AutoDrafter
+
+    cfg = SimpleNamespace(prompt_lookup_min=1, prompt_lookup_max=4, recycling_top_k=2, datastore=None)
+    auto = AutoDrafter(cfg, SimpleNamespace(target=SimpleNamespace(cfg=SimpleNamespace(vocab_size=16))))
+    auto.subs[1].adj[4] = [9, 8]                       # Token Recycling's guess after token 4
+    rates = {"prompt_lookup:4": 0.9, "prompt_lookup:1": 0.2, "token_recycling": 0.4}
+    auto.use_rates(lambda rid, src: rates[src])
+    four = DraftRequest("a", [1, 2, 3, 4, 5, 1, 2, 3, 4], 3)            # its tail's 4-gram occurred
+    one = DraftRequest("b", [7, 4, 6, 4], 3)                           # only "4" occurred
+    long_, short = auto.propose([four, one])
+    assert long_.source == "prompt_lookup:4" and long_.tokens == (5, 1, 2)
+    assert short.source == "token_recycling" and short.tokens[0] == 9
+    assert auto.hints([four, one]) == ["prompt_lookup:4", "prompt_lookup:1"]
+
+
+def test_a_fresh_prompt_lookup_match_wakes_a_lone_sequence_whose_plans_skip_their_search():
+    from types import SimpleNamespace
+
+    from loom.config import SpeculativeConfig
+    from loom.contracts import ScheduledSeq
+    from loom.speculative.decoder import SpecDecoder
+    from loom.speculative.drafters import DraftEnv
+
+    env = DraftEnv(SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)), "auto", 16, 16)
+    dec = SpecDecoder(SpeculativeConfig("auto"), env)
+    ctl = dec.controller
+    ctl.cost.observe(1, 0, 0.010)
+    ctl.cost.observe(1, 8, 0.016)
+    for _ in range(10):
+        ctl.record("a", 8, 8, "prompt_lookup:4")     # copies from 4-gram matches are accepted
+        ctl.record("a", 0, 8, "token_recycling")     # guesses are not
+    state = SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], output_token_ids=[],
+                            params=SamplingParams(temperature=0.0, max_tokens=64), matcher=None)
+    host = SimpleNamespace(request=lambda rid: state)
+    seq = [ScheduledSeq("a", [10], 10, [0], True)]
+    dec.drafter.subs[1].adj[10] = [11] + [-1] * 7    # Token Recycling guesses 11 after 10
+    assert dec._propose(host, seq, 1) == {}         # only its guess: no draft, and the plans skip
+    assert ctl.idle(1)
+    state.output_token_ids = [11, 12, 3, 4, 5, 6]   # the tail "3 4 5 6" occurred in the prompt
+    drafts = dec._propose(host, seq, 1)
+    assert drafts["a"].source == "prompt_lookup:4" and drafts["a"].tokens[:4] == (7, 8, 9, 10)
+    assert not ctl.idle(1)
+
+
+def test_controller_prices_a_tree_by_the_depth_its_nodes_reach():
+    ctl = SpecController(8, depth=lambda k: k)
+    ctl.cost.observe(1, 0, 0.010)
+    ctl.cost.observe(1, 8, 0.014)
+    for _ in range(10):
+        ctl.record("a", 2, 4)
+    chain = ctl.plan(["a"], 1, [8], 0.0, sources=[None], depths=[[1, 2, 3, 4, 5, 6, 7, 8]])
+    flat = ctl.plan(["a"], 1, [8], 0.0, sources=[None], depths=[[1] * 8])   # eight siblings: one depth
+    assert chain[0] > 1 and flat[0] <= 1
 
 
 def test_controller_drafts_when_it_pays_and_not_when_it_does_not():

@@ -11,11 +11,16 @@ each further one. The calibration's ratio cost(B, X) / cost(B, 0), at the batch'
 length, is a floor under the learned one (see `CostModel`): a draft row attends over its
 whole context, so drafts cost more, relative to plain decoding, in long contexts.
 
-Gain. Each sequence has a per-depth acceptance rate `a` (accepted nodes / tried depths,
-decayed over recent steps, starting from the average over all sequences). A tree of k
-nodes reaching depth D(k) is expected to add sum_{d=1..D(k)} a^d tokens. A sequence that
-brings its own draft source (a predicted output) starts from PREDICTION_RATE instead, and
-its steps stay out of the average the others start from.
+Gain. Each sequence has a per-depth acceptance rate `a` per draft source (accepted nodes /
+tried depths, decayed over recent steps), starting from the average over all sequences of
+that source, which starts from the average over every source. A tree of k nodes reaching
+depth D(k) is expected to add sum_{d=1..D(k)} a^d tokens. The source is what the tree was
+drafted from (`DraftTree.source`: prompt lookup names its match length), known before the
+plan where the drafter proposes first: a sequence whose tail has just matched a 4-gram of
+its context drafts long, the same sequence guessing from Token Recycling a step later
+drafts little or nothing (SmolLM2 over Spec-Bench: 0.85 against 0.36 per depth). A
+sequence that brings its own draft source (a predicted output) starts from PREDICTION_RATE
+instead, and its steps stay out of the averages the others start from.
 
 Choice. Increments (one more depth for one sequence, the one that gains the most per
 node first) are taken in order; the step's objective is tokens per second,
@@ -32,7 +37,9 @@ probe every PROBE_EVERY x batch steps (more where one node costs more than a seq
 of a step) so that its estimate can recover. After a plan without
 drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run),
 twice as many after each further plan without drafts, up to IDLE_MAX - 1: where drafting does
-not pay, the search is most of speculation's cost.
+not pay, the search is most of speculation's cost. The decoder may wake them early (`pays`):
+a lone sequence whose drafter names a source that would pay now (a fresh prompt-lookup match)
+plans in full at once.
 """
 
 from __future__ import annotations
@@ -117,13 +124,18 @@ class CostModel:
         self.calib: dict[int, _Curve] = {}          # context length -> calibrated curve
         self._memo: dict[tuple[int, int, int], float] = {}   # cost(), until a new point or MEMO_REFRESH steps
         self._observed = 0
+        self.generation = 0    # the memo's clearings: values derived from the costs are kept within one
 
     @property
     def rows(self) -> dict[int, dict[int, float]]:
         return self.learned.rows
 
-    def calibrate(self, batch: int, extra: int, seconds: float, context: int = 0) -> None:
+    def _clear(self) -> None:
         self._memo.clear()
+        self.generation += 1
+
+    def calibrate(self, batch: int, extra: int, seconds: float, context: int = 0) -> None:
+        self._clear()
         self.calib.setdefault(context, _Curve()).put(batch, extra, seconds)
         if context == min(self.calib):
             self.learned.put(batch, extra, seconds)
@@ -135,7 +147,7 @@ class CostModel:
         only over many steps; recomputing every step was most of a batch-1 plan's time)."""
         self._observed += 1
         if extra not in self.learned.rows.get(batch, {}) or self._observed >= MEMO_REFRESH:
-            self._memo.clear()
+            self._clear()
             self._observed = 0
         self.learned.put(batch, extra, seconds, COST_EMA)
 
@@ -179,8 +191,13 @@ class CostModel:
 class _Rate:
     hits: float = 0.0
     tries: float = 0.0
-    idle: int = 0          # steps since this sequence last drafted
-    prior: float | None = None   # its own starting rate (a predicted output), else the average's
+
+    def add(self, accepted: int, tries: int) -> None:
+        self.hits = DECAY * self.hits + accepted
+        self.tries = DECAY * self.tries + tries
+
+    def value(self, prior: float) -> float:
+        return (self.hits + prior * PRIOR_WEIGHT) / (self.tries + PRIOR_WEIGHT)
 
 
 class SpecController:
@@ -191,8 +208,12 @@ class SpecController:
         self._idle_plans: dict[int, int] = {}   # batch -> plans left to skip after one that drafted nothing
         self._idle_streak: dict[int, int] = {}  # batch -> full plans in a row that drafted nothing
         self.cost = CostModel()
-        self.rates: dict[str, _Rate] = {}
-        self.total = _Rate()
+        self.rates: dict[str, dict[str | None, _Rate]] = {}   # request -> source -> its rate
+        self.idle_steps: dict[str, int] = {}                   # request -> steps since it last drafted
+        self.predicting: set[str] = set()                      # requests drafting from a predicted output
+        self.total = _Rate()                                   # every source's, every sequence's
+        self.totals: dict[str | None, _Rate] = {}              # per source, every sequence's
+        self._paying: dict[tuple[int, int], tuple[int, float]] = {}   # (batch, context bucket) -> (costs' generation, rate)
 
     def depth(self, size: int) -> int:
         d = self._depths.get(size)
@@ -200,30 +221,39 @@ class SpecController:
             d = self._depths[size] = self._depth_of(size)
         return d
 
-    def rate(self, req_id: str) -> float:
-        r = self.rates.get(req_id)
-        prior = (self.total.hits + PRIOR_RATE * PRIOR_WEIGHT) / (self.total.tries + PRIOR_WEIGHT)
-        if r is None:
-            return prior
-        if r.prior is not None:
-            prior = r.prior
-        return (r.hits + prior * PRIOR_WEIGHT) / (r.tries + PRIOR_WEIGHT)
+    def rate(self, req_id: str, source: str | None = None) -> float:
+        """The per-depth acceptance rate of `req_id`'s next tree drafted from `source`."""
+        if req_id in self.predicting:
+            prior = PREDICTION_RATE
+        else:
+            prior = self.total.value(PRIOR_RATE)
+            if source in self.totals:
+                prior = self.totals[source].value(prior)
+        own = self.rates.get(req_id, {}).get(source)
+        return prior if own is None else own.value(prior)
 
     def predicted(self, req_id: str) -> None:
         """The sequence drafts from its own predicted output: its rate starts from
         PREDICTION_RATE, and its steps stay out of the average other sequences start from."""
-        self._rate(req_id).prior = PREDICTION_RATE
+        self.predicting.add(req_id)
 
-    def record(self, req_id: str, accepted: int, max_depth: int) -> None:
-        """A verified tree of depth `max_depth` gave `accepted` nodes."""
+    def record(self, req_id: str, accepted: int, max_depth: int, source: str | None = None) -> None:
+        """A verified tree of depth `max_depth`, drafted from `source`, gave `accepted` nodes."""
         tries = accepted + (1 if accepted < max_depth else 0)
-        own = self._rate(req_id)
-        for r in (own, self.total) if own.prior is None else (own,):
-            r.hits = DECAY * r.hits + accepted
-            r.tries = DECAY * r.tries + tries
+        own = self.rates.setdefault(req_id, {})
+        if source not in own:
+            own[source] = _Rate()
+        own[source].add(accepted, tries)
+        if req_id not in self.predicting:
+            if source not in self.totals:
+                self.totals[source] = _Rate()
+            for r in (self.totals[source], self.total):
+                r.add(accepted, tries)
 
     def finish(self, req_id: str) -> None:
         self.rates.pop(req_id, None)
+        self.idle_steps.pop(req_id, None)
+        self.predicting.discard(req_id)
 
     def wake(self, batch: int) -> None:
         """The next plan at this batch size searches, whatever the last ones found."""
@@ -234,53 +264,99 @@ class SpecController:
         return self.adaptive and self._idle_plans.get(batch, 0) > 0
 
     def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float,
-             seq_overhead: float = 0.0, context: int = 0) -> list[int]:
+             seq_overhead: float = 0.0, context: int = 0, sources: list[str | None] | None = None,
+             depths: list[list[int] | None] | None = None, step_overhead: float = 0.0) -> list[int]:
         """Nodes per sequence (0: no draft) for a next step of `batch` sequences in all;
         `caps[i]` bounds sequence i. `draft_cost`: seconds of drafting per node;
         `seq_overhead`: seconds outside the forward pass per drafting sequence (verification,
-        learning, proposing); `context`: the batch's mean context length in tokens."""
+        learning, proposing); `context`: the batch's mean context length in tokens;
+        `sources[i]`: what sequence i's tree comes from (None: not known); `depths[i][k - 1]`:
+        the depth of the first k nodes of its tree (None: `depth(k)`, the drafter's shape);
+        `step_overhead`: seconds a step that drafts adds as a whole (the next step plans in full
+        again: every candidate's proposal and the search)."""
         if not self.adaptive:
             return list(caps)
-        sizes = [0] * len(req_ids)
         if self.idle(batch):    # drafting did not pay at this batch just now
             self._idle_plans[batch] -= 1
-            return self._probe(req_ids, sizes, caps, batch, context)
+            return self._probe(req_ids, [0] * len(req_ids), caps, batch, context)
+        shapes = [self.depth if not depths or depths[i] is None else (lambda k, p=depths[i]: p[k - 1])
+                  for i in range(len(req_ids))]
+        rates = [self.rate(rid, sources[i] if sources else None) for i, rid in enumerate(req_ids)]
+        sizes = self._search(caps, rates, shapes, batch, draft_cost, seq_overhead, context, step_overhead)
+        streak = 0 if any(sizes) else self._idle_streak.get(batch, 0) + 1
+        self._idle_streak[batch] = streak
+        self._idle_plans[batch] = min(IDLE_REPLAN << (streak - 1), IDLE_MAX) - 1 if streak else 0
+        return self._probe(req_ids, sizes, caps, batch, context)
+
+    def pays(self, req_ids: list[str], sources: list[str | None], batch: int, draft_cost: float,
+             seq_overhead: float = 0.0, context: int = 0, step_overhead: float = 0.0) -> bool:
+        """Whether drafting from `sources` (None: no draft) would pay for one of these sequences
+        of a batch whose plans skip their search: a source the skip did not see (a sequence
+        whose tail has just matched its context) wakes the plans."""
+        rates = [self.rate(rid, src) for rid, src in zip(req_ids, sources) if src is not None]
+        return bool(rates) and max(rates) >= self._paying_rate(batch, draft_cost, seq_overhead + step_overhead, context)
+
+    def _paying_rate(self, batch: int, draft_cost: float, overhead: float, context: int) -> float:
+        """The lowest rate (to 1/64) at which one sequence's chain of up to max_nodes pays in a
+        batch of `batch` (above 1: none does); kept while the costs are."""
+        key = (batch, context // CONTEXT_BUCKET)
+        held = self._paying.get(key)
+        if held is not None and held[0] == self.cost.generation:
+            return held[1]
+        c = [self.cost.cost(batch, k, context) + draft_cost * k + (overhead if k else 0.0)
+             for k in range(self.max_nodes + 1)]
+
+        def lone_pays(a: float) -> bool:   # some chain of k nodes beats plain decoding by MARGIN
+            return any((batch + sum(a ** d for d in range(1, self.depth(k) + 1))) * c[0] > batch * (1 + MARGIN) * c[k]
+                       for k in range(1, self.max_nodes + 1))
+
+        lo, hi = 0.0, 1.0 + 1 / 64
+        while hi - lo > 1 / 64:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if lone_pays(min(mid, 0.999)) else (mid, hi)
+        self._paying[key] = (self.cost.generation, hi)
+        return hi
+
+    def _search(self, caps: list[int], rates: list[float], shapes: list, batch: int, draft_cost: float,
+                seq_overhead: float, context: int, step_overhead: float = 0.0) -> list[int]:
+        """The sizes that maximise tokens per second, sequence i at rate rates[i], its tree's
+        depth shapes[i](k) at k nodes, at most caps[i] nodes (all zero: plain decoding pays best)."""
         heap = []
-        for i, rid in enumerate(req_ids):
-            self._push(heap, i, 0, self.rate(rid), caps[i])
+        for i, (a, cap, shape) in enumerate(zip(rates, caps, shapes)):
+            self._push(heap, i, 0, a, cap, shape)
+        sizes = [0] * len(caps)
         steps: list[tuple[int, int, float]] = []        # (sequence, new size, gain)
         plain = batch / self.cost.cost(batch, 0, context)
         best, best_at, tokens, extra, misses = plain * (1 + MARGIN), 0, float(batch), 0, 0
         drafting = 0
         # Increments come best gain per node first, so past its peak the objective only falls
         # (up to noise in the cost curve): the search stops `patience` increments past the best.
-        patience = max(PATIENCE, len(req_ids))
+        patience = max(PATIENCE, len(caps))
         while heap and misses < patience:
             _, i, k, gain, a = heapq.heappop(heap)
             steps.append((i, k, gain))
-            self._push(heap, i, k, a, caps[i])
+            self._push(heap, i, k, a, caps[i], shapes[i])
             drafting += sizes[i] == 0
             extra += k - sizes[i]
             sizes[i] = k
             tokens += gain
-            speed = tokens / (self.cost.cost(batch, extra, context) + draft_cost * extra + seq_overhead * drafting)
+            speed = tokens / (self.cost.cost(batch, extra, context) + draft_cost * extra + seq_overhead * drafting
+                              + step_overhead)
             if speed > best:
                 best, best_at, misses = speed, len(steps), 0
             else:
                 misses += 1
-        sizes = [0] * len(req_ids)
+        sizes = [0] * len(caps)
         for i, k, _ in steps[:best_at]:
             sizes[i] = k
-        streak = 0 if best_at else self._idle_streak.get(batch, 0) + 1
-        self._idle_streak[batch] = streak
-        self._idle_plans[batch] = min(IDLE_REPLAN << (streak - 1), IDLE_MAX) - 1 if streak else 0
-        return self._probe(req_ids, sizes, caps, batch, context)
+        return sizes
 
-    def _push(self, heap, i: int, k: int, a: float, cap: int) -> None:
-        """The next increment of sequence i from k nodes: up to the size where its depth grows."""
-        d = self.depth(k) if k else 0
+    def _push(self, heap, i: int, k: int, a: float, cap: int, depth) -> None:
+        """The next increment of sequence i from k nodes: up to the size where its depth grows
+        (`depth(n)`: the depth of its first n nodes)."""
+        d = depth(k) if k else 0
         for k2 in range(k + 1, cap + 1):
-            d2 = self.depth(k2)
+            d2 = depth(k2)
             if d2 > d:
                 gain = sum(a ** j for j in range(d + 1, d2 + 1))
                 heapq.heappush(heap, (-gain / (k2 - k), i, k2, gain, a))
@@ -290,10 +366,10 @@ class SpecController:
         """A sequence idle for `probe_every` steps drafts one node (a probe)."""
         every = self.probe_every(batch, context)
         for i, rid in enumerate(req_ids):
-            r = self._rate(rid)
-            r.idle = 0 if sizes[i] else r.idle + 1
-            if r.idle >= every and caps[i]:
-                sizes[i], r.idle = 1, 0
+            idle = 0 if sizes[i] else self.idle_steps.get(rid, 0) + 1
+            if idle >= every and caps[i]:
+                sizes[i], idle = 1, 0
+            self.idle_steps[rid] = idle
         return sizes
 
     def idle_step(self, batch: int, req_ids: list[str], context: int = 0) -> list[str]:
@@ -302,12 +378,6 @@ class SpecController:
         self._idle_plans[batch] -= 1
         n = len(req_ids)
         return [rid for rid, k in zip(req_ids, self._probe(req_ids, [0] * n, [1] * n, batch, context)) if k]
-
-    def _rate(self, req_id: str) -> _Rate:
-        r = self.rates.get(req_id)
-        if r is None:
-            r = self.rates[req_id] = _Rate()
-        return r
 
     def probe_every(self, batch: int, context: int = 0) -> float:
         """Idle steps between a sequence's probes: PROBE_EVERY x batch, so that probes cost about

@@ -1,11 +1,16 @@
-"""`method: auto`: per sequence, the drafter that has been accepted most.
+"""`method: auto`: per sequence, the proposal of the source rated highest.
 
 Prompt lookup (free, exact copies) and Token Recycling (always has a guess) both run, and
 retrieval from the datastore (loom.speculative.datastore) where one is given; each
-sequence takes, per step, the proposal of the one whose accepted tokens per step (an
-average over this sequence's recent steps, optimistic at first) is higher. Prompt lookup
-proposes nothing when the context has no match; recycling then serves. The controller
-still decides how many nodes either may use, zero included.
+sequence takes, per step, the proposal whose source (`DraftTree.source`: prompt lookup's
+names its match length) the speculation controller rates highest for it: its acceptance
+rate per depth from that source, which starts from the source's average over all
+sequences. So a fresh 4-gram match is copied while a 1-gram one loses to Token Recycling
+where that has done better. Without a controller (the drafter used alone) the pick is the
+drafter whose accepted tokens per step (an average over this sequence's recent steps,
+optimistic at first) are higher. Prompt lookup proposes nothing when the context has no
+match; recycling then serves. The controller still decides how many nodes the pick may
+use, zero included.
 """
 
 from __future__ import annotations
@@ -27,15 +32,26 @@ class AutoDrafter(Drafter):
         if config.datastore is not None:
             self.subs.insert(1, RetrievalDrafter(config, env))
         self.observe_topk = max(d.observe_topk for d in self.subs)
+        self.proposes_before_plan = all(d.proposes_before_plan for d in self.subs)
         self.score: dict[tuple[str, int], float] = {}
         self.last: dict[str, int] = {}       # request -> which drafter made its pending tree
+        self.rate = None                     # the controller's rate(request, source), where one is given
+
+    def use_rates(self, rate) -> None:
+        self.rate = rate
+
+    def hints(self, requests: list[DraftRequest]) -> list[str | None]:
+        return self.subs[0].hints(requests)     # prompt lookup's match, the source that comes and goes
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
         per_sub = [d.propose(requests) for d in self.subs]
         out: list[DraftTree | None] = []
         for i, r in enumerate(requests):
-            ranked = sorted(range(len(self.subs)), key=lambda s: -self.score.get((r.req_id, s), OPTIMISM))
-            pick = next((s for s in ranked if per_sub[s][i] is not None), None)
+            offered = [s for s in range(len(self.subs)) if per_sub[s][i] is not None]
+            if self.rate is not None:
+                pick = min(offered, key=lambda s: -self.rate(r.req_id, per_sub[s][i].source), default=None)
+            else:
+                pick = min(offered, key=lambda s: -self.score.get((r.req_id, s), OPTIMISM), default=None)
             if pick is not None:
                 self.last[r.req_id] = pick
             out.append(None if pick is None else per_sub[pick][i])

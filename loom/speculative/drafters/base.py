@@ -60,6 +60,11 @@ class Drafter(ABC):
 
     name: str
     observe_topk: int = 0         # top-k the drafter wants in `observe` (0: no observations)
+    # Proposing is a look-up that runs no model and changes nothing a later `observe` reads,
+    # and a tree's first n nodes are a good tree of n nodes (chains, best-first trees): the
+    # decoder then asks for every candidate's tree at its cap before the controller plans, so
+    # the plan sees each tree's source and shape, and cuts the trees to the nodes it grants.
+    proposes_before_plan: bool = True
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
@@ -67,6 +72,15 @@ class Drafter(ABC):
 
     def observe(self, obs: Observation) -> None:
         """Learn from the target's predictions (default: nothing)."""
+
+    def hints(self, requests: list[DraftRequest]) -> list[str | None]:
+        """Per request, the source its next tree would come from where that is cheap to tell
+        and changes from step to step (a prompt-lookup match), else None; no proposal made."""
+        return [None] * len(requests)
+
+    def use_rates(self, rate: Callable[[str, str | None], float]) -> None:
+        """The controller's acceptance rate of a request's trees from a source, for a drafter
+        that chooses among sources (default: not used)."""
 
     def finish(self, req_id: str) -> None:
         """Forget a finished request (default: nothing kept)."""

@@ -36,6 +36,7 @@ class _Seq:
 @register("lookahead")
 class LookaheadDrafter(Drafter):
     observe_topk = 1
+    proposes_before_plan = False   # a proposal sets the window its next observation updates
 
     def __init__(self, config, env):
         self.W, self.N, self.G = config.lookahead_window, config.lookahead_ngram, config.lookahead_guesses

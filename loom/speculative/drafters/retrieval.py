@@ -38,7 +38,7 @@ def merge(continuations: list[list[int]], budget: int) -> DraftTree | None:
     where = {i: j for j, i in enumerate(chosen)}
     tokens = tuple(keys[i][1] for i in chosen)
     parents = tuple(-1 if keys[i][0] < 0 else where[keys[i][0]] for i in chosen)
-    return DraftTree(tokens, parents) if tokens else None
+    return DraftTree(tokens, parents, "retrieval") if tokens else None
 
 
 @register("retrieval")

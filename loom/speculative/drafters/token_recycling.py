@@ -77,7 +77,7 @@ class TokenRecyclingDrafter(Drafter):
             index[t] = len(tokens)
             tokens.append(tok)
             parents.append(-1 if parent < 0 else index[parent])
-        return DraftTree(tuple(tokens), tuple(parents)) if tokens else None
+        return DraftTree(tuple(tokens), tuple(parents), "token_recycling") if tokens else None
 
     def depth(self, size: int) -> int:
         depths: list[int] = []
