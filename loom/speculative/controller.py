@@ -265,15 +265,13 @@ class SpecController:
 
     def plan(self, req_ids: list[str], batch: int, caps: list[int], draft_cost: float,
              seq_overhead: float = 0.0, context: int = 0, sources: list[str | None] | None = None,
-             depths: list[list[int] | None] | None = None, step_overhead: float = 0.0) -> list[int]:
+             depths: list[list[int] | None] | None = None) -> list[int]:
         """Nodes per sequence (0: no draft) for a next step of `batch` sequences in all;
         `caps[i]` bounds sequence i. `draft_cost`: seconds of drafting per node;
         `seq_overhead`: seconds outside the forward pass per drafting sequence (verification,
         learning, proposing); `context`: the batch's mean context length in tokens;
         `sources[i]`: what sequence i's tree comes from (None: not known); `depths[i][k - 1]`:
-        the depth of the first k nodes of its tree (None: `depth(k)`, the drafter's shape);
-        `step_overhead`: seconds a step that drafts adds as a whole (the next step plans in full
-        again: every candidate's proposal and the search)."""
+        the depth of the first k nodes of its tree (None: `depth(k)`, the drafter's shape)."""
         if not self.adaptive:
             return list(caps)
         if self.idle(batch):    # drafting did not pay at this batch just now
@@ -282,28 +280,28 @@ class SpecController:
         shapes = [self.depth if not depths or depths[i] is None else (lambda k, p=depths[i]: p[k - 1])
                   for i in range(len(req_ids))]
         rates = [self.rate(rid, sources[i] if sources else None) for i, rid in enumerate(req_ids)]
-        sizes = self._search(caps, rates, shapes, batch, draft_cost, seq_overhead, context, step_overhead)
+        sizes = self._search(caps, rates, shapes, batch, draft_cost, seq_overhead, context)
         streak = 0 if any(sizes) else self._idle_streak.get(batch, 0) + 1
         self._idle_streak[batch] = streak
         self._idle_plans[batch] = min(IDLE_REPLAN << (streak - 1), IDLE_MAX) - 1 if streak else 0
         return self._probe(req_ids, sizes, caps, batch, context)
 
     def pays(self, req_ids: list[str], sources: list[str | None], batch: int, draft_cost: float,
-             seq_overhead: float = 0.0, context: int = 0, step_overhead: float = 0.0) -> bool:
+             seq_overhead: float = 0.0, context: int = 0) -> bool:
         """Whether drafting from `sources` (None: no draft) would pay for one of these sequences
         of a batch whose plans skip their search: a source the skip did not see (a sequence
         whose tail has just matched its context) wakes the plans."""
         rates = [self.rate(rid, src) for rid, src in zip(req_ids, sources) if src is not None]
-        return bool(rates) and max(rates) >= self._paying_rate(batch, draft_cost, seq_overhead + step_overhead, context)
+        return bool(rates) and max(rates) >= self._paying_rate(batch, draft_cost, seq_overhead, context)
 
-    def _paying_rate(self, batch: int, draft_cost: float, overhead: float, context: int) -> float:
+    def _paying_rate(self, batch: int, draft_cost: float, seq_overhead: float, context: int) -> float:
         """The lowest rate (to 1/64) at which one sequence's chain of up to max_nodes pays in a
         batch of `batch` (above 1: none does); kept while the costs are."""
         key = (batch, context // CONTEXT_BUCKET)
         held = self._paying.get(key)
         if held is not None and held[0] == self.cost.generation:
             return held[1]
-        c = [self.cost.cost(batch, k, context) + draft_cost * k + (overhead if k else 0.0)
+        c = [self.cost.cost(batch, k, context) + draft_cost * k + (seq_overhead if k else 0.0)
              for k in range(self.max_nodes + 1)]
 
         def lone_pays(a: float) -> bool:   # some chain of k nodes beats plain decoding by MARGIN
@@ -318,7 +316,7 @@ class SpecController:
         return hi
 
     def _search(self, caps: list[int], rates: list[float], shapes: list, batch: int, draft_cost: float,
-                seq_overhead: float, context: int, step_overhead: float = 0.0) -> list[int]:
+                seq_overhead: float, context: int) -> list[int]:
         """The sizes that maximise tokens per second, sequence i at rate rates[i], its tree's
         depth shapes[i](k) at k nodes, at most caps[i] nodes (all zero: plain decoding pays best)."""
         heap = []
@@ -340,8 +338,7 @@ class SpecController:
             extra += k - sizes[i]
             sizes[i] = k
             tokens += gain
-            speed = tokens / (self.cost.cost(batch, extra, context) + draft_cost * extra + seq_overhead * drafting
-                              + step_overhead)
+            speed = tokens / (self.cost.cost(batch, extra, context) + draft_cost * extra + seq_overhead * drafting)
             if speed > best:
                 best, best_at, misses = speed, len(steps), 0
             else:

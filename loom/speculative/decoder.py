@@ -95,7 +95,6 @@ class SpecDecoder:
         self._turn = 0       # which sequences of a large plain batch feed the drafter next
         self.overheads: dict[str, float] = {}   # measured seconds per drafting sequence, by part
         self._sources: dict[str, str | None] = {}   # request -> the source of its pending draft
-        self.plan_seconds = 0.0   # measured seconds of a full plan where proposals come first (all proposals, the search)
 
     def finish(self, req_id: str) -> None:
         self._sources.pop(req_id, None)
@@ -287,14 +286,11 @@ class SpecDecoder:
             return self._granted([rid for rid, _ in chosen], trees)
         # every candidate's tree at its cap first: the plan prices each by its source and shape,
         # and the proposing is paid whatever it grants (only verification counts per draft)
-        t0 = time.perf_counter()
         trees = self._proposals(host, cands, caps)
         depths = [None if t is None else list(itertools.accumulate(t.depths, max)) for t in trees]
         sizes = self.controller.plan(cands, batch, [len(t) if t else 0 for t in trees], self.drafter.cost_per_token(),
                                      self.overheads.get("verify", 0.0), context,
-                                     [t.source if t else None for t in trees], depths, self.plan_seconds)
-        seconds = time.perf_counter() - t0
-        self.plan_seconds = seconds if not self.plan_seconds else (1 - OVERHEAD_EMA) * self.plan_seconds + OVERHEAD_EMA * seconds
+                                     [t.source if t else None for t in trees], depths)
         return self._granted(cands, [t.cut(k) if t and k else None for t, k in zip(trees, sizes)])
 
     def _hinted(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, context: int) -> bool:
@@ -305,7 +301,7 @@ class SpecDecoder:
             return False
         reqs = [self._request(host, rid, 1) for rid in cands]
         return self.controller.pays(cands, self.drafter.hints(reqs), batch, self.drafter.cost_per_token(),
-                                    self.overheads.get("verify", 0.0), context, self.plan_seconds)
+                                    self.overheads.get("verify", 0.0), context)
 
     @staticmethod
     def _request(host: SpecHost, rid: str, budget: int) -> DraftRequest:
