@@ -28,7 +28,6 @@ from loom.errors import InvalidRequestError
 from loom.model.layers.attention import tree_attention_mask
 from loom.sampling_params import SamplingParams
 from loom.speculative.controller import CostModel, SpecController
-from loom.speculative.drafters.prompt_lookup import lookup
 from loom.speculative.verify import verify_greedy, verify_sampled
 
 METHODS = ["prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto"]
@@ -150,9 +149,25 @@ def test_probes_are_spaced_by_what_one_node_costs():
     assert every == pytest.approx(4 * PROBE_EVERY * 8) and n == 8 * int(2000 // every)
 
 
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by a backwards scan: up to k tokens that followed the latest earlier match
+    of the longest tail n-gram (what NgramIndex must answer)."""
+    n_tok = len(tokens)
+    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
+        tail = tokens[n_tok - n:]
+        for start in range(n_tok - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
 def test_prompt_lookup_copies_what_followed_the_latest_longest_match():
+    from loom.speculative.drafters.prompt_lookup import NgramIndex
+
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
-    assert lookup(toks, 3, 1, 3) == [4, 5, 6]          # latest occurrence of (1, 2, 3)
+    assert NgramIndex(1, 3).find(toks, 3) == ([4, 5, 6], 3)     # latest occurrence of (1, 2, 3)
+    assert lookup(toks, 3, 1, 3) == [4, 5, 6]                   # the scan the index is checked against
+    assert NgramIndex(1, 3).find([1, 2, 3, 4], 2) == ([], 0)
     assert lookup([1, 2, 3, 4], 2, 1, 3) == []
 
 

@@ -58,6 +58,7 @@ def load_draft_model(config, env):
 @register("draft_model")
 class DraftModelDrafter(Drafter):
     proposes_before_plan = False   # a proposal runs the draft model
+
     def __init__(self, config, env):
         self.model = load_draft_model(config, env)
         self.block_size = env.block_size

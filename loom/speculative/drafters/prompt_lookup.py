@@ -19,23 +19,10 @@ from loom.contracts import DraftTree
 from loom.speculative.drafters.base import Drafter, DraftRequest, register
 
 
-def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest tail n-gram
-    (the scan `NgramIndex` answers without)."""
-    n_tok = len(tokens)
-    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
-        tail = tokens[n_tok - n:]
-        first = tail[0]
-        # scan backwards for the most recent earlier occurrence
-        for start in range(n_tok - n - 1, -1, -1):
-            if tokens[start] == first and tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
-    return []
-
-
 class NgramIndex:
     """The latest start of every n-gram (min_n <= n <= max_n) of a growing token list that
-    some token follows: `lookup`'s answers, extended as the list grows."""
+    some token follows, extended as the list grows: a look-up answers what a backwards scan of
+    the list for its tail would, in a few dict probes."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
