@@ -124,18 +124,13 @@ class CostModel:
         self.calib: dict[int, _Curve] = {}          # context length -> calibrated curve
         self._memo: dict[tuple[int, int, int], float] = {}   # cost(), until a new point or MEMO_REFRESH steps
         self._observed = 0
-        self.generation = 0    # the memo's clearings: values derived from the costs are kept within one
 
     @property
     def rows(self) -> dict[int, dict[int, float]]:
         return self.learned.rows
 
-    def _clear(self) -> None:
-        self._memo.clear()
-        self.generation += 1
-
     def calibrate(self, batch: int, extra: int, seconds: float, context: int = 0) -> None:
-        self._clear()
+        self._memo.clear()
         self.calib.setdefault(context, _Curve()).put(batch, extra, seconds)
         if context == min(self.calib):
             self.learned.put(batch, extra, seconds)
@@ -147,7 +142,7 @@ class CostModel:
         only over many steps; recomputing every step was most of a batch-1 plan's time)."""
         self._observed += 1
         if extra not in self.learned.rows.get(batch, {}) or self._observed >= MEMO_REFRESH:
-            self._clear()
+            self._memo.clear()
             self._observed = 0
         self.learned.put(batch, extra, seconds, COST_EMA)
 
@@ -213,7 +208,6 @@ class SpecController:
         self.predicting: set[str] = set()                      # requests drafting from a predicted output
         self.total = _Rate()                                   # every source's, every sequence's
         self.totals: dict[str | None, _Rate] = {}              # per source, every sequence's
-        self._paying: dict[tuple[int, int], tuple[int, float]] = {}   # (batch, context bucket) -> (costs' generation, rate)
 
     def depth(self, size: int) -> int:
         d = self._depths.get(size)
@@ -288,32 +282,13 @@ class SpecController:
 
     def pays(self, req_ids: list[str], sources: list[str | None], batch: int, draft_cost: float,
              seq_overhead: float = 0.0, context: int = 0) -> bool:
-        """Whether drafting from `sources` (None: no draft) would pay for one of these sequences
-        of a batch whose plans skip their search: a source the skip did not see (a sequence
-        whose tail has just matched its context) wakes the plans."""
-        rates = [self.rate(rid, src) for rid, src in zip(req_ids, sources) if src is not None]
-        return bool(rates) and max(rates) >= self._paying_rate(batch, draft_cost, seq_overhead, context)
-
-    def _paying_rate(self, batch: int, draft_cost: float, seq_overhead: float, context: int) -> float:
-        """The lowest rate (to 1/64) at which one sequence's chain of up to max_nodes pays in a
-        batch of `batch` (above 1: none does); kept while the costs are."""
-        key = (batch, context // CONTEXT_BUCKET)
-        held = self._paying.get(key)
-        if held is not None and held[0] == self.cost.generation:
-            return held[1]
-        c = [self.cost.cost(batch, k, context) + draft_cost * k + (seq_overhead if k else 0.0)
-             for k in range(self.max_nodes + 1)]
-
-        def lone_pays(a: float) -> bool:   # some chain of k nodes beats plain decoding by MARGIN
-            return any((batch + sum(a ** d for d in range(1, self.depth(k) + 1))) * c[0] > batch * (1 + MARGIN) * c[k]
-                       for k in range(1, self.max_nodes + 1))
-
-        lo, hi = 0.0, 1.0 + 1 / 64
-        while hi - lo > 1 / 64:
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if lone_pays(min(mid, 0.999)) else (mid, hi)
-        self._paying[key] = (self.cost.generation, hi)
-        return hi
+        """Whether drafting from `sources` (None: no draft) would pay for these sequences of a
+        batch whose plans skip their search: a source the skip did not see (a sequence whose
+        tail has just matched its context) wakes the plans."""
+        caps = [self.max_nodes if src is not None else 0 for src in sources]
+        rates = [self.rate(rid, src) for rid, src in zip(req_ids, sources)]
+        return any(caps) and any(self._search(caps, rates, [self.depth] * len(caps), batch, draft_cost,
+                                              seq_overhead, context))
 
     def _search(self, caps: list[int], rates: list[float], shapes: list, batch: int, draft_cost: float,
                 seq_overhead: float, context: int) -> list[int]:

@@ -6,9 +6,8 @@ sequence takes, per step, the proposal whose source (`DraftTree.source`: prompt 
 names its match length) the speculation controller rates highest for it: its acceptance
 rate per depth from that source, which starts from the source's average over all
 sequences. So a fresh 4-gram match is copied while a 1-gram one loses to Token Recycling
-where that has done better. Without a controller (the drafter used alone) the pick is the
-drafter whose accepted tokens per step (an average over this sequence's recent steps,
-optimistic at first) are higher. Prompt lookup proposes nothing when the context has no
+where that has done better. Without a controller's rates, the first that proposes (prompt
+lookup, retrieval, recycling). Prompt lookup proposes nothing when the context has no
 match; recycling then serves. The controller still decides how many nodes the pick may
 use, zero included.
 """
@@ -21,9 +20,6 @@ from loom.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from loom.speculative.drafters.retrieval import RetrievalDrafter
 from loom.speculative.drafters.token_recycling import TokenRecyclingDrafter
 
-EMA = 0.3
-OPTIMISM = 4.0   # assumed accepted tokens per step before a drafter was tried
-
 
 @register("auto")
 class AutoDrafter(Drafter):
@@ -33,9 +29,7 @@ class AutoDrafter(Drafter):
             self.subs.insert(1, RetrievalDrafter(config, env))
         self.observe_topk = max(d.observe_topk for d in self.subs)
         self.proposes_before_plan = all(d.proposes_before_plan for d in self.subs)
-        self.score: dict[tuple[str, int], float] = {}
-        self.last: dict[str, int] = {}       # request -> which drafter made its pending tree
-        self.rate = None                     # the controller's rate(request, source), where one is given
+        self.rate = lambda req_id, source: 0.0   # the controller's rate(request, source) once given
 
     def use_rates(self, rate) -> None:
         self.rate = rate
@@ -47,31 +41,18 @@ class AutoDrafter(Drafter):
         per_sub = [d.propose(requests) for d in self.subs]
         out: list[DraftTree | None] = []
         for i, r in enumerate(requests):
-            offered = [s for s in range(len(self.subs)) if per_sub[s][i] is not None]
-            if self.rate is not None:
-                pick = min(offered, key=lambda s: -self.rate(r.req_id, per_sub[s][i].source), default=None)
-            else:
-                pick = min(offered, key=lambda s: -self.score.get((r.req_id, s), OPTIMISM), default=None)
-            if pick is not None:
-                self.last[r.req_id] = pick
-            out.append(None if pick is None else per_sub[pick][i])
+            offered = [t for t in (trees[i] for trees in per_sub) if t is not None]
+            out.append(max(offered, key=lambda t: self.rate(r.req_id, t.source), default=None))
         return out
 
     def observe(self, obs: Observation) -> None:
         for d in self.subs:
             if d.observe_topk:
                 d.observe(obs)
-        pick = self.last.pop(obs.req_id, None)
-        if pick is not None and len(obs.row_tokens) > 1:
-            key = (obs.req_id, pick)
-            self.score[key] = (1 - EMA) * self.score.get(key, OPTIMISM) + EMA * obs.accepted
 
     def finish(self, req_id: str) -> None:
         for d in self.subs:
             d.finish(req_id)
-        self.last.pop(req_id, None)
-        for s in range(len(self.subs)):
-            self.score.pop((req_id, s), None)
 
     def depth(self, size: int) -> int:
         return max(d.depth(size) for d in self.subs)
