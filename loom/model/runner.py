@@ -34,7 +34,7 @@ from loom.contracts import (GRAMMAR_DEAD_END, NO_ALLOWED_TOKEN, DraftTree, Runne
 from loom.kv.eviction import EvictionPolicy, make_policy, positions_tensor
 from loom.model.kv_cache import KVCacheTensors, kv_keys
 from loom.model.kv_dtypes import KVFormat
-from loom.model.layers.attention import AttentionMetadata, tree_attention_mask
+from loom.model.layers.attention import AttentionMetadata, is_chain, tree_attention_mask
 from loom.sample.sampler import Sampler, SamplingBatch, argmax_rows, request_generator
 from loom.sampling_params import SamplingParams
 from loom.structured import GrammarMatcher, StructuredOutputs
@@ -354,10 +354,13 @@ def build_batch(seqs, block_size: int) -> tuple[torch.Tensor, torch.Tensor, Atte
         ids += s.token_ids
         nd = len(s.draft_parents)
         root = s.start_pos + n - nd - 1
-        pos.append(np.arange(s.start_pos, root + 1, dtype=np.int64))
-        if nd:
-            pos.append(root + np.asarray(DraftTree(tuple(s.token_ids[n - nd:]), s.draft_parents).depths, dtype=np.int64))
-        masks.append(tree_attention_mask(n - nd, s.draft_parents) if nd else None)
+        if is_chain(s.draft_parents):   # a chain is causal: its rows take the plain path, no mask
+            pos.append(np.arange(s.start_pos, root + nd + 1, dtype=np.int64))
+            masks.append(None)
+        else:
+            depths = DraftTree(tuple(s.token_ids[n - nd:]), s.draft_parents).depths
+            pos += [np.arange(s.start_pos, root + 1, dtype=np.int64), root + np.asarray(depths, dtype=np.int64)]
+            masks.append(tree_attention_mask(n - nd, s.draft_parents))
         table = np.asarray(s.block_table[:(ctx + block_size - 1) // block_size], dtype=np.int64)
         kv_slots.append((table[:, None] * block_size + offsets).reshape(-1)[:ctx])   # [ctx]
         kv_pos.append(positions_tensor(s.kv_runs, ctx) if s.kv_runs else None)     # [ctx] after eviction

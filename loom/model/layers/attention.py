@@ -202,10 +202,11 @@ class KernelRows:
             else:                              # row j: the context, then its visible new tokens in order
                 starts.append(r)
                 shared.append(p)
-                order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices.numpy()
+                visible = mask.numpy()
+                order = np.argsort(~visible, axis=1, kind="stable")   # each row's visible tokens first, in order
                 slots[r:r + n, :p] = base[:p]
                 slots[r:r + n, p:c] = base[p:][order]
-                ctx.append(p + mask.sum(dim=1).numpy())
+                ctx.append(p + visible.sum(axis=1))
             tokens.append(np.arange(meta.query_starts[s], meta.query_starts[s] + n, dtype=np.int64))
             r += n
         every = len(seqs) == len(meta.query_lens)
@@ -324,6 +325,12 @@ def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale
     return o[0].transpose(0, 1)
 
 
+def is_chain(parents) -> bool:
+    """Whether draft nodes with these parents form one chain (node i the child of node i - 1),
+    which attends as plain causal new tokens do."""
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
 def tree_attention_mask(num_committed: int, parents) -> torch.Tensor:
     """[n, n] bool mask among a sequence's new tokens: `num_committed` committed tokens
     (causal among themselves) followed by draft nodes; a node sees every committed token,
@@ -335,13 +342,16 @@ def tree_attention_mask(num_committed: int, parents) -> torch.Tensor:
         0    1 1 | 1 . .
         1    1 1 | . 1 .
         2    1 1 | 1 . 1
+
+    Built in numpy (a few small slices a node; torch's cost several times more), shared
+    with the returned tensor.
     """
     c, d = num_committed, len(parents)
-    mask = torch.zeros(c + d, c + d, dtype=torch.bool)
-    mask[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+    mask = np.zeros((c + d, c + d), dtype=bool)
+    mask[:c, :c] = np.tri(c, dtype=bool)
     mask[c:, :c] = True
     for i, p in enumerate(parents):
         if p >= 0:
             mask[c + i, c:c + p + 1] = mask[c + p, c:c + p + 1]
         mask[c + i, c + i] = True
-    return mask
+    return torch.from_numpy(mask)
