@@ -51,11 +51,12 @@ void with_layout(int64_t bits, bool scales16, int64_t zero, F f) {
 // keeps full 8-bit codes on the affine one); either way a variant computes a row the same way at
 // every M.
 
-// qgemm's checks and GEMM, with the tiles' epilogues from epis() (see gemm)
+// qgemm's checks and GEMM, with the tiles' epilogues from epis() (see gemm); store false (epilogues
+// whose stores() is false, no `out`, no accumulate): no output is allocated, an [M, 0] tensor returned
 template <class Epis>
 torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
                         int64_t pre, c10::optional<torch::Tensor> norm_w, double eps, c10::optional<torch::Tensor> out,
-                        bool accumulate, int64_t zero, const Epis& epis) {
+                        bool accumulate, int64_t zero, const Epis& epis, bool store = true) {
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
@@ -63,9 +64,12 @@ torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   check_zero(bits, zero);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights must be contiguous uint8");
   const int64_t M = x.size(0);
-  torch::Tensor y = out.has_value() ? *out : torch::empty({M, N}, x.options());
-  check_f32_rows(y, "out");
-  TORCH_CHECK(y.size(0) == M && y.size(1) == N, "out has the wrong shape");
+  TORCH_CHECK(store || (!out.has_value() && !accumulate), "a GEMM that stores nothing takes no out");
+  torch::Tensor y = out.has_value() ? *out : torch::empty({M, store ? N : 0}, x.options());
+  if (store) {
+    check_f32_rows(y, "out");
+    TORCH_CHECK(y.size(0) == M && y.size(1) == N, "out has the wrong shape");
+  }
   if (M == 0) return y;
   const float* nw = nullptr;
   if (pre == PRE_RMSNORM) {
@@ -76,8 +80,8 @@ torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   TORCH_CHECK(w.numel() == blocks * packed_block_bytes(bits, scales16 ? 2 : 4, zero),
               "packed weights do not match N, K, bits, zero");
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t ldy = y.stride(0);
+  float* yp = store ? y.data_ptr<float>() : nullptr;
+  const int64_t ldy = store ? y.stride(0) : 0;
   thread_local QuantActs qa;  // reused across calls: no allocation on the hot path
   with_layout(bits, scales16, zero, [&](auto b, auto s, auto zl) {
     constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = Isa::template zero_path<BITS, ZL>() ? ZL : 0;
@@ -343,9 +347,10 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   for (int64_t i = 0; i < T * M; ++i) rows[i].reset();
   TopRow* rp = rows.data();
   const float mg = (float)margin;
-  // without logits the GEMM's output buffer is never written: its pages are never touched
+  // without logits the GEMM allocates no output (its tiles store nothing)
+  TORCH_CHECK(logits || !out.has_value(), "qgemm_top without logits takes no out");
   torch::Tensor y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
-                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap, logits}; });
+                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap, logits}; }, logits);
   float* lp = logits ? y.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -356,7 +361,7 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
           lp ? lp + r * ldl : nullptr, N, xp + r * ldx, K, wp, mg, cap, rp, T, M, r, cand, xs);
     });
   });
-  return logits ? y : torch::empty({M, 0}, x.options());
+  return y;
 }
 
 // indices [R, k] int64 of each row's k largest logits, largest first (ties: the lower index):

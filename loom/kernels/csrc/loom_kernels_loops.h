@@ -263,13 +263,14 @@ inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, in
   typename V::F acc[MT];
   tile_part<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, H, once, acc);
   for (int i = 0; i < MT; ++i) {
-    float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
-    const typename V::F out = accumulate ? V::add(acc[i], V::load_n(yp, n)) : acc[i];
-    if (!epi.stores()) {
-    } else if (Epi::kStream && n >= V::W && (uintptr_t)yp % sizeof(out) == 0) {
-      V::stream(yp, out);
-    } else {
-      V::store_n(yp, out, n);
+    typename V::F out = acc[i];
+    if (epi.stores()) {   // else y is null: nothing is read or written there
+      float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
+      if (accumulate) out = V::add(out, V::load_n(yp, n));
+      if (Epi::kStream && n >= V::W && (uintptr_t)yp % sizeof(out) == 0)
+        V::stream(yp, out);
+      else
+        V::store_n(yp, out, n);
     }
     epi(m0 + i, n0 + H * V::W, out, std::min<int64_t>(n, V::W));
   }
