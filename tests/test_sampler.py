@@ -587,6 +587,31 @@ def test_top_p_on_its_candidates_keeps_what_the_whole_row_sort_keeps():
         assert torch.equal(want[~want.isneginf()], got[~got.isneginf()])
 
 
+def test_rows_with_top_k_alone_in_a_top_p_batch_skip_the_top_p_stage(monkeypatch):
+    """A row whose top_p is 1 keeps what top-k alone keeps, and no top-p work (a sort of its
+    candidates or of the whole row) touches it, whatever the other rows ask."""
+    import loom.sample.sampler as sampler
+
+    vocab = 3000
+    logits = random_logits(4, vocab, seed=5)
+    logits[2] *= 0.05                              # flat: its nucleus takes the whole-row sort
+    top_k = torch.tensor([50, 0, 40, 7])
+    top_p = torch.tensor([1.0, 0.9, 0.9, 1.0])
+    rows_seen = []
+    real = sampler._apply_top_p
+    monkeypatch.setattr(sampler, "_apply_top_p", lambda x, p: (rows_seen.append(len(x)), real(x, p)))
+    got = logits.clone()
+    apply_top_k_top_p(got, top_k, top_p)
+    assert rows_seen == [2]                        # rows 1 and 2 only
+    for r in range(4):
+        want = logits[r:r + 1].clone()
+        apply_top_k_top_p(want, top_k[r:r + 1], top_p[r:r + 1] if top_p[r] < 1 else None)
+        assert torch.equal(want[0].isneginf(), got[r].isneginf())
+    rows_seen.clear()
+    apply_top_k_top_p(logits.clone(), top_k, torch.ones(4))
+    assert rows_seen == []                         # no row asks top-p: the stage is skipped
+
+
 # ---------------------------------------------------------------- the kernels' sample_rows
 
 KERNEL_CASES = [

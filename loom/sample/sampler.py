@@ -323,7 +323,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         logits.masked_fill_(logits < threshold, float("-inf"))
     if top_p is None:
         return
-    if vocab <= TOP_P_CANDIDATES:
+    on = top_p < 1                            # rows of a top-p batch with top-k alone skip this stage
+    if bool(on.any()):
+        _on_rows(logits, _rows_where(on), _apply_top_p, top_p)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """apply_top_k_top_p's top-p stage on rows that all have p < 1."""
+    if logits.shape[1] <= TOP_P_CANDIDATES:
         _top_p_sorted(logits, top_p)
         return
     rest = _top_p_candidates(logits, top_p)   # the rows whose nucleus the candidates do not hold
