@@ -51,12 +51,12 @@ void with_layout(int64_t bits, bool scales16, int64_t zero, F f) {
 // keeps full 8-bit codes on the affine one); either way a variant computes a row the same way at
 // every M.
 
-// qgemm's checks and GEMM, with the tiles' epilogues from epis() (see gemm); store false (epilogues
-// whose stores() is false, no `out`, no accumulate): no output is allocated, an [M, 0] tensor returned
+// qgemm's checks and GEMM, with the tiles' epilogues from epis() (see gemm); epilogues that store
+// nothing (stores() false: no `out`, no accumulate) get no output: an [M, 0] tensor is returned
 template <class Epis>
 torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t bits, bool scales16,
                         int64_t pre, c10::optional<torch::Tensor> norm_w, double eps, c10::optional<torch::Tensor> out,
-                        bool accumulate, int64_t zero, const Epis& epis, bool store = true) {
+                        bool accumulate, int64_t zero, const Epis& epis) {
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
@@ -64,6 +64,7 @@ torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   check_zero(bits, zero);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights must be contiguous uint8");
   const int64_t M = x.size(0);
+  const bool store = epis().stores();
   TORCH_CHECK(store || (!out.has_value() && !accumulate), "a GEMM that stores nothing takes no out");
   torch::Tensor y = out.has_value() ? *out : torch::empty({M, store ? N : 0}, x.options());
   if (store) {
@@ -348,9 +349,8 @@ torch::Tensor qgemm_top(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   TopRow* rp = rows.data();
   const float mg = (float)margin;
   // without logits the GEMM allocates no output (its tiles store nothing)
-  TORCH_CHECK(logits || !out.has_value(), "qgemm_top without logits takes no out");
   torch::Tensor y = run_qgemm(x, w, N, K, bits, scales16, PRE_NONE, c10::nullopt, 0.0, out, false, zero,
-                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap, logits}; }, logits);
+                              [&] { return TopTrack<Isa>{rp + at::get_thread_num() * M, mg, cap, logits}; });
   float* lp = logits ? y.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
