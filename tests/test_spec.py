@@ -149,6 +149,65 @@ def test_probes_are_spaced_by_what_one_node_costs():
     assert every == pytest.approx(4 * PROBE_EVERY * 8) and n == 8 * int(2000 // every)
 
 
+def test_sequences_that_came_together_probe_in_turn_one_a_step():
+    ctl = SpecController(8, depth=lambda k: k)
+    ctl.cost.observe(6, 0, 0.006)
+    ctl.cost.observe(6, 1, 0.0061)
+    ctl.cost.observe(6, 48, 0.100)             # real drafts never pay here
+    ids = [f"s{i}" for i in range(6)]
+    for rid in ids:
+        ctl.record(rid, 0, 4)
+
+    def step() -> list[int]:
+        if not ctl.idle(6):
+            return ctl.plan(ids, 6, [8] * 6, 0.0)
+        due = ctl.idle_step(6, ids)
+        return [int(rid in due) for rid in ids]
+
+    steps = [step() for _ in range(3 * int(ctl.probe_every(6)) + 10)]
+    assert max(sum(sizes) for sizes in steps) == 1            # never two probes in one step
+    probed = [rid for sizes in steps for rid, k in zip(ids, sizes) if k]
+    assert len(probed) >= 2 * len(ids) and set(probed) == set(ids)
+    first = [i for i, sizes in enumerate(steps) if any(sizes)][:6]
+    assert first == list(range(first[0], first[0] + 6))       # due together: on consecutive steps
+
+
+def test_a_batch_plan_no_named_source_would_make_pay_is_settled_without_proposing():
+    from types import SimpleNamespace
+
+    from loom.config import SpeculativeConfig
+    from loom.contracts import ScheduledSeq
+    from loom.speculative.decoder import SpecDecoder
+    from loom.speculative.drafters import DraftEnv
+
+    env = DraftEnv(SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)), "auto", 16, 16)
+    dec = SpecDecoder(SpeculativeConfig("auto"), env)
+    ctl = dec.controller
+    ctl.cost.observe(4, 0, 0.010)
+    ctl.cost.observe(4, 8, 0.016)
+    for rid in "abcd":
+        for _ in range(10):
+            ctl.record(rid, 8, 8, "prompt_lookup:4")     # copies from 4-gram matches are accepted
+            ctl.record(rid, 0, 8, "token_recycling")     # guesses are not
+    states = {rid: SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i], output_token_ids=[],
+                                   params=SamplingParams(temperature=0.0, max_tokens=64), matcher=None)
+              for i, rid in enumerate("abcd")}
+    host = SimpleNamespace(request=states.__getitem__)
+    seqs = [ScheduledSeq(rid, [10 + i], 10, [0], True) for i, rid in enumerate("abcd")]
+    dec.drafter.subs[1].adj[10:14, 0] = 11                               # Token Recycling has a guess after each
+    proposed = []
+    propose = dec.drafter.propose
+    dec.drafter.propose = lambda reqs: proposed.append(len(reqs)) or propose(reqs)
+    assert dec._screened(host, seqs, 4, 1) == {} and proposed == []    # guesses alone: declined, nothing proposed
+    assert ctl.idle(4)                                                  # counted as a plan that drafted nothing
+    ctl.wake(4)
+    states["c"].output_token_ids = [3, 4, 5, 6]                         # "3 4 5 6" occurred in c's prompt
+    seqs[2] = ScheduledSeq("c", [6], 13, [0], True)
+    assert dec._screened(host, seqs, 4, 1) is None                      # a 4-gram match would pay: plan in full
+    drafts = dec._propose(host, seqs, 4, 1)
+    assert list(drafts) == ["c"] and drafts["c"].source == "prompt_lookup:4" and proposed == [4]
+
+
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup by a backwards scan: up to k tokens that followed the latest earlier match
     of the longest tail n-gram (what NgramIndex must answer)."""

@@ -34,18 +34,21 @@ if it beats plain decoding by MARGIN (estimates are noisy; a wrong guess must no
 When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
 and the step runs plain decoding. A sequence left without drafts is offered a one-node
 probe every PROBE_EVERY x batch steps (more where one node costs more than a sequence's share
-of a step) so that its estimate can recover. After a plan without
+of a step) so that its estimate can recover; one sequence per step at most, so that requests
+that started together do not all probe in the same step. After a plan without
 drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run),
 twice as many after each further plan without drafts, up to IDLE_MAX - 1: where drafting does
 not pay, the search is most of speculation's cost. The decoder may wake them early (`pays`):
 a lone sequence whose drafter names a source that would pay now (a fresh prompt-lookup match)
-plans in full at once.
+plans in full at once. It may also settle a plan without proposing (`decline`): in a batch, a
+plan that the best sources the drafter could name would not make pay drafts nothing.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 
 DECAY = 0.8            # weight of the older acceptance evidence per step
@@ -60,6 +63,9 @@ MARGIN = 0.05          # drafting must promise this much more speed than plain d
 COST_EMA = 0.2
 CONTEXT_BUCKET = 64   # contexts this close share a memoised cost
 MEMO_REFRESH = 16     # observed steps between recomputations of the memoised costs
+PAYS_MEMO = 4096      # memoised answers of pays() kept at most
+PAYS_REFRESH = 16     # refreshes of the memoised costs an answer of pays() outlives
+RATE_STEPS = 50       # pays() reads rates to 1/RATE_STEPS (a verdict moves every rate a little)
 
 
 class _Curve:
@@ -124,13 +130,18 @@ class CostModel:
         self.calib: dict[int, _Curve] = {}          # context length -> calibrated curve
         self._memo: dict[tuple[int, int, int], float] = {}   # cost(), until a new point or MEMO_REFRESH steps
         self._observed = 0
+        self.stamp = 0          # bumped whenever the memoised costs are dropped
 
     @property
     def rows(self) -> dict[int, dict[int, float]]:
         return self.learned.rows
 
-    def calibrate(self, batch: int, extra: int, seconds: float, context: int = 0) -> None:
+    def _forget(self) -> None:
         self._memo.clear()
+        self.stamp += 1
+
+    def calibrate(self, batch: int, extra: int, seconds: float, context: int = 0) -> None:
+        self._forget()
         self.calib.setdefault(context, _Curve()).put(batch, extra, seconds)
         if context == min(self.calib):
             self.learned.put(batch, extra, seconds)
@@ -142,7 +153,7 @@ class CostModel:
         only over many steps; recomputing every step was most of a batch-1 plan's time)."""
         self._observed += 1
         if extra not in self.learned.rows.get(batch, {}) or self._observed >= MEMO_REFRESH:
-            self._memo.clear()
+            self._forget()
             self._observed = 0
         self.learned.put(batch, extra, seconds, COST_EMA)
 
@@ -204,7 +215,10 @@ class SpecController:
         self._idle_streak: dict[int, int] = {}  # batch -> full plans in a row that drafted nothing
         self.cost = CostModel()
         self.rates: dict[str, dict[str | None, _Rate]] = {}   # request -> source -> its rate
-        self.idle_steps: dict[str, int] = {}                   # request -> steps since it last drafted
+        self.clock = 0                                         # plans made or skipped, every batch size
+        self.drafted_at: dict[str, int] = {}                   # request -> the clock when it last drafted (or came)
+        self._probe_check = (0, 0)                             # (batch, clock): no probe is due before it
+        self._pays: dict[tuple, bool] = {}                     # memoised pays(), by rates, batch, costs
         self.predicting: set[str] = set()                      # requests drafting from a predicted output
         self.total = _Rate()                                   # every source's, every sequence's
         self.totals: dict[str | None, _Rate] = {}              # per source, every sequence's
@@ -246,7 +260,7 @@ class SpecController:
 
     def finish(self, req_id: str) -> None:
         self.rates.pop(req_id, None)
-        self.idle_steps.pop(req_id, None)
+        self.drafted_at.pop(req_id, None)
         self.predicting.discard(req_id)
 
     def wake(self, batch: int) -> None:
@@ -275,6 +289,15 @@ class SpecController:
                   for i in range(len(req_ids))]
         rates = [self.rate(rid, sources[i] if sources else None) for i, rid in enumerate(req_ids)]
         sizes = self._search(caps, rates, shapes, batch, draft_cost, seq_overhead, context)
+        return self._settle(req_ids, sizes, caps, batch, context)
+
+    def decline(self, req_ids: list[str], batch: int, caps: list[int], context: int = 0) -> list[int]:
+        """A plan settled without its search, as one that drafted nothing (the decoder found no
+        source that would pay): the sizes of the probes due (ones and zeros)."""
+        return self._settle(req_ids, [0] * len(req_ids), caps, batch, context)
+
+    def _settle(self, req_ids: list[str], sizes: list[int], caps: list[int], batch: int, context: int) -> list[int]:
+        """Counts a plan's outcome in the skips of the plans after it; adds the probes due."""
         streak = 0 if any(sizes) else self._idle_streak.get(batch, 0) + 1
         self._idle_streak[batch] = streak
         self._idle_plans[batch] = min(IDLE_REPLAN << (streak - 1), IDLE_MAX) - 1 if streak else 0
@@ -285,10 +308,23 @@ class SpecController:
         """Whether drafting from `sources` (None: no draft) would pay for these sequences of a
         batch whose plans skip their search: a source the skip did not see (a sequence whose
         tail has just matched its context) wakes the plans."""
-        caps = [self.max_nodes if src is not None else 0 for src in sources]
-        rates = [self.rate(rid, src) for rid, src in zip(req_ids, sources)]
-        return any(caps) and any(self._search(caps, rates, [self.depth] * len(caps), batch, draft_cost,
-                                              seq_overhead, context))
+        if all(src is None for src in sources):
+            return False
+        # asked on most steps of a batch that skips its search, with the same answer until a
+        # rate changes or the costs move: memoised (the costs' memo is refreshed every
+        # MEMO_REFRESH steps; an answer is kept over PAYS_REFRESH of those), rates rounded
+        rates = [round(self.rate(rid, src) * RATE_STEPS) / RATE_STEPS if src is not None else 0.0
+                 for rid, src in zip(req_ids, sources)]
+        key = (tuple(rates), batch, context // CONTEXT_BUCKET, round(draft_cost, 5), round(seq_overhead, 5),
+               self.cost.stamp // PAYS_REFRESH)     # (the measured overheads to 10 us: they move every step)
+        found = self._pays.get(key)
+        if found is None:
+            if len(self._pays) > PAYS_MEMO:
+                self._pays.clear()
+            caps = [self.max_nodes if src is not None else 0 for src in sources]
+            found = self._pays[key] = any(self._search(caps, rates, [self.depth] * len(caps), batch, draft_cost,
+                                                       seq_overhead, context))
+        return found
 
     def _search(self, caps: list[int], rates: list[float], shapes: list, batch: int, draft_cost: float,
                 seq_overhead: float, context: int) -> list[int]:
@@ -335,19 +371,37 @@ class SpecController:
                 return
 
     def _probe(self, req_ids: list[str], sizes: list[int], caps: list[int], batch: int, context: int = 0) -> list[int]:
-        """A sequence idle for `probe_every` steps drafts one node (a probe)."""
-        every = self.probe_every(batch, context)
+        """Adds a one-node probe for the sequence idle longest, if it has been idle for
+        `probe_every` steps (one a step: requests that came together probe in turn); counts
+        the step on the clock."""
+        clock, since = self.clock, self.drafted_at
+        self.clock += 1
+        oldest, due_at = -1, clock
         for i, rid in enumerate(req_ids):
-            idle = 0 if sizes[i] else self.idle_steps.get(rid, 0) + 1
-            if idle >= every and caps[i]:
-                sizes[i], idle = 1, 0
-            self.idle_steps[rid] = idle
+            if sizes[i]:
+                since[rid] = clock
+            else:
+                at = since.setdefault(rid, clock)
+                if caps[i] and at < due_at:
+                    oldest, due_at = i, at
+        if oldest < 0:
+            return sizes
+        every = self.probe_every(batch, context)
+        if clock - due_at + 1 >= every:     # its idle steps, this one included
+            sizes[oldest] = 1
+            since[req_ids[oldest]] = clock
+        else:
+            self._probe_check = (batch, due_at + math.ceil(every) - 1)
         return sizes
 
     def idle_step(self, batch: int, req_ids: list[str], context: int = 0) -> list[str]:
         """A step of a batch whose plan skips its search (`idle`): counts it against the skip and
-        in every sequence's idle steps; returns the sequences due a one-node probe."""
+        on the clock; returns the sequences due a one-node probe (one at most). Most such steps
+        come before any probe can be due and touch no sequence."""
         self._idle_plans[batch] -= 1
+        if self._probe_check[0] == batch and self.clock < self._probe_check[1]:
+            self.clock += 1     # a request that came since is counted from the next full look
+            return []
         n = len(req_ids)
         return [rid for rid, k in zip(req_ids, self._probe(req_ids, [0] * n, [1] * n, batch, context)) if k]
 

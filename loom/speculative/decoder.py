@@ -12,7 +12,10 @@ row, or 1 + its tree's nodes when it verified a draft. Per step:
                (the scheduler grants them next step)
 
 A drafter whose proposals run a model (a draft model) or set state its next observation
-reads (Lookahead) is asked only after the plan, for the nodes the plan grants.
+reads (Lookahead) is asked only after the plan, for the nodes the plan grants. In a batch
+whose step verified no draft, a plan is first screened: where no source the drafter can name
+without proposing (a prompt-lookup match, Token Recycling) would pay at its best rate, the
+plan drafts nothing and observe / propose / plan are skipped (`_screened`).
 
 Tree slots are allocated in node order, so an accepted path 0 -> 2 -> 4 has its KV at
 slots base+0, base+2, base+4 but belongs at positions root+1..root+3 = slots base+0..2:
@@ -95,9 +98,15 @@ class SpecDecoder:
         self._turn = 0       # which sequences of a large plain batch feed the drafter next
         self.overheads: dict[str, float] = {}   # measured seconds per drafting sequence, by part
         self._sources: dict[str, str | None] = {}   # request -> the source of its pending draft
+        self._tokens: dict[str, list[int]] = {}     # request -> its committed tokens (prompt + output), grown in place
+        self._met: set[str] = set()                 # requests seen
+        self._predicting: set[str] = set()          # those of them that bring a predicted output
 
     def finish(self, req_id: str) -> None:
         self._sources.pop(req_id, None)
+        self._tokens.pop(req_id, None)
+        self._met.discard(req_id)
+        self._predicting.discard(req_id)
         self.drafter.finish(req_id)
         self.predicted.finish(req_id)
         self.controller.finish(req_id)
@@ -154,11 +163,59 @@ class SpecDecoder:
         at = None if len(plain) == starts[-1] else [starts[i] for i in plain]
         plain_known = known if at is None or known is None else known[at]
         result = host.sample(logits, [seqs[i].req_id for i in plain], plain_known, at) if plain else RunnerOutput({})
-        topk = self._observed(seqs, len(plain) == len(seqs), logits, len(out.seqs))
-        if len(plain) < len(seqs) or topk is not None:
-            self._verify_and_learn(host, out, meta, seqs, starts, logits, known, topk, result)
-        result.drafts.update(self._propose(host, seqs, len(out.seqs), out.num_waiting))
+        batch, all_plain = len(out.seqs), len(plain) == len(seqs)
+        self._meet(host, seqs)
+        drafts = self._screened(host, seqs, batch, out.num_waiting) if all_plain else None
+        if drafts is None:
+            topk = self._observed(seqs, all_plain, logits, batch)
+            if not all_plain or topk is not None:
+                self._verify_and_learn(host, out, meta, seqs, starts, logits, known, topk, result)
+            drafts = self._propose(host, seqs, batch, out.num_waiting)
+        result.drafts.update(drafts)
         return result
+
+    def _meet(self, host: SpecHost, seqs: list[ScheduledSeq]) -> None:
+        """Notes the requests new to the decoder, and which of them bring a predicted output."""
+        for rid in [s.req_id for s in seqs if s.req_id not in self._met]:
+            self._met.add(rid)
+            if host.request(rid).params.prediction_token_ids:
+                self._predicting.add(rid)
+                self.controller.predicted(rid)
+
+    def _screened(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int,
+                  waiting: int) -> dict[str, DraftTree] | None:
+        """A batch's full plan settled without proposing, where the best source the drafter can
+        name for each candidate (a prompt-lookup match, its steady sources) would not make
+        drafting pay: the probes due, drafted (None: plan in full). A full plan proposes every
+        candidate's tree and learns from every row's top-k first, ~0.5 ms at 8 SmolLM2
+        sequences; most plans of a batch draft nothing. The screen prices each candidate as a
+        chain from its best-rated source, so it declines only plans that would draft nothing."""
+        d, ctl = self.drafter, self.controller
+        if (batch <= HINT_MAX_BATCH or d.steady_sources is None or not d.proposes_before_plan
+                or not ctl.adaptive or ctl.idle(batch) or self._in_batch(self._predicting, seqs)):
+            return None
+        cands, caps, lefts = self._candidates(host, seqs)
+        if not waiting and len(cands) > 1:
+            cands, caps = behind(cands, caps, lefts)
+        if not cands:
+            return None
+        hints = d.hints([self._request(host, rid, 1) for rid in cands])
+        sources = [max(((h,) if h else ()) + d.steady_sources, key=lambda src, r=rid: ctl.rate(r, src), default=None)
+                   for rid, h in zip(cands, hints)]
+        context = self._context(seqs)
+        if ctl.pays(cands, sources, batch, d.cost_per_token(), self.overheads.get("verify", 0.0), context):
+            return None
+        probes = [rid for rid, k in zip(cands, ctl.decline(cands, batch, caps, context)) if k]
+        return self._granted(probes, self._proposals(host, probes, [1] * len(probes)))
+
+    @staticmethod
+    def _in_batch(req_ids: set[str], seqs: list[ScheduledSeq]) -> bool:
+        return bool(req_ids) and any(s.req_id in req_ids for s in seqs)
+
+    @staticmethod
+    def _context(seqs: list[ScheduledSeq]) -> int:
+        """The batch's mean context length."""
+        return sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
 
     def _observed(self, seqs: list[ScheduledSeq], all_plain: bool, logits: torch.Tensor,
                   batch: int) -> list[list[int] | None] | None:
@@ -259,11 +316,8 @@ class SpecDecoder:
         self.controller.record(req_id, accepted, max(tree.depths), self._sources.pop(req_id, None))
 
     def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int = 0) -> dict[str, DraftTree]:
-        context = sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
-        predicting = [s.req_id for s in seqs if host.request(s.req_id).params.prediction_token_ids]
-        for rid in predicting:
-            self.controller.predicted(rid)
-        if predicting:   # a predicted output may pay where the others' drafts did not: plan anew
+        context = self._context(seqs)
+        if self._in_batch(self._predicting, seqs):   # a predicted output may pay where the others' drafts did not
             self.controller.wake(batch)
         if batch <= HINT_MAX_BATCH and self.controller.idle(batch) and self._hinted(host, seqs, batch, context):
             self.controller.wake(batch)
@@ -303,11 +357,21 @@ class SpecDecoder:
         return self.controller.pays(cands, self.drafter.hints(reqs), batch, self.drafter.cost_per_token(),
                                     self.overheads.get("verify", 0.0), context)
 
-    @staticmethod
-    def _request(host: SpecHost, rid: str, budget: int) -> DraftRequest:
+    def _request(self, host: SpecHost, rid: str, budget: int) -> DraftRequest:
         st = host.request(rid)
-        return DraftRequest(rid, st.prompt_token_ids + st.output_token_ids, budget, st.matcher,
-                            len(st.prompt_token_ids), st.params.prediction_token_ids)
+        return DraftRequest(rid, self._committed(rid, st), budget, st.matcher, len(st.prompt_token_ids),
+                            st.params.prediction_token_ids)
+
+    def _committed(self, rid: str, st) -> list[int]:
+        """The request's prompt + output tokens: one list per request, extended by the tokens
+        committed since it was last asked for (a copy of the context per proposal was most of
+        a lone sequence's look-ups)."""
+        toks, prompt, output = self._tokens.get(rid), st.prompt_token_ids, st.output_token_ids
+        if toks is None or len(toks) > len(prompt) + len(output):
+            toks = self._tokens[rid] = prompt + output
+        elif len(toks) < len(prompt) + len(output):
+            toks.extend(output[len(toks) - len(prompt):])
+        return toks
 
     def _proposals(self, host: SpecHost, cands: list[str], sizes: list[int]) -> list[DraftTree | None]:
         """The trees of `sizes[i]` nodes at most proposed for cands[i] (timed per request)."""

@@ -29,6 +29,8 @@ class AutoDrafter(Drafter):
             self.subs.insert(1, RetrievalDrafter(config, env))
         self.observe_topk = max(d.observe_topk for d in self.subs)
         self.proposes_before_plan = all(d.proposes_before_plan for d in self.subs)
+        steady = [d.steady_sources for d in self.subs]
+        self.steady_sources = None if None in steady else sum(steady, ())
         self.rate = lambda req_id, source: 0.0   # the controller's rate(request, source) once given
 
     def use_rates(self, rate) -> None:

@@ -37,7 +37,7 @@ class DraftEnv:
 @dataclass(frozen=True)
 class DraftRequest:
     req_id: str
-    token_ids: list[int]    # committed tokens: prompt + output
+    token_ids: list[int]    # committed tokens: prompt + output (grown in place as the request goes on: read, never modify)
     budget: int             # most nodes the tree may have (>= 1)
     grammar: Any = None     # its GrammarMatcher (structured output), to read, never to advance
     prompt_len: int = 0     # token_ids[:prompt_len] is the prompt, the rest the output so far
@@ -65,6 +65,10 @@ class Drafter(ABC):
     # decoder then asks for every candidate's tree at its cap before the controller plans, so
     # the plan sees each tree's source and shape, and cuts the trees to the nodes it grants.
     proposes_before_plan: bool = True
+    # The sources a tree may come from at any step, whatever the context (Token Recycling's
+    # table always has a guess); with `hints`, what a plan could draft from, told without
+    # proposing. None: not known (the decoder then proposes to find out).
+    steady_sources: tuple[str, ...] | None = None
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:

@@ -57,6 +57,7 @@ class NgramIndex:
 
 @register("prompt_lookup")
 class PromptLookupDrafter(Drafter):
+    steady_sources = ()    # a match comes and goes: `hints` names it
     def __init__(self, config, env):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}

@@ -43,6 +43,7 @@ def merge(continuations: list[list[int]], budget: int) -> DraftTree | None:
 
 @register("retrieval")
 class RetrievalDrafter(Drafter):
+    steady_sources = ("retrieval",)    # whether the datastore holds a continuation is not told: assumed
     def __init__(self, config, env):
         self.store = Datastore(config.retrieval_min, config.retrieval_max, config.datastore_max_mb,
                                config.datastore_recent_tokens)
@@ -50,7 +51,7 @@ class RetrievalDrafter(Drafter):
             if env.tokenizer is None:
                 raise InvalidRequestError("speculative_config datastore needs the model's tokenizer")
             self.store.load(config.datastore, lambda text: env.tokenizer.encode(text, add_special_tokens=False))
-        self.seen: dict[str, list[int]] = {}         # request -> its tokens at its latest proposal
+        self.seen: dict[str, list[int]] = {}         # request -> its tokens (the decoder's list, grown in place)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
         out = []

@@ -45,6 +45,7 @@ def _template(k: int, size: int) -> tuple[tuple[int, int], ...]:
 
 @register("token_recycling")
 class TokenRecyclingDrafter(Drafter):
+    steady_sources = ("token_recycling",)    # its table has a guess after nearly every token
     def __init__(self, config, env):
         self.k = config.recycling_top_k
         self.observe_topk = self.k
