@@ -118,7 +118,7 @@ def test_an_idle_plain_batch_feeds_the_drafter_nothing():
     logits = torch.randn(4, 16)
     rows = dec._observed(plain, True, logits, 4)
     assert sum(r is not None for r in rows) == OBSERVE_PLAIN_BATCH          # a plain batch: a few rows in turn
-    assert rows[1] == logits[1].topk(2).indices.tolist() or rows[2] == logits[2].topk(2).indices.tolist()
+    assert any(rows[i] is not None and rows[i].tolist() == logits[i].topk(2).indices.tolist() for i in (1, 2))
     ctl.cost.observe(4, 0, 0.010)
     ctl.cost.observe(4, 32, 0.100)             # drafts do not pay at this batch: the next plans skip the search
     assert ctl.plan(["a", "b", "c", "d"], 4, [8] * 4, 0.0) == [0] * 4 and ctl.idle(4)

@@ -65,7 +65,6 @@ CONTEXT_BUCKET = 64   # contexts this close share a memoised cost
 MEMO_REFRESH = 16     # observed steps between recomputations of the memoised costs
 PAYS_MEMO = 4096      # memoised answers of pays() kept at most
 PAYS_REFRESH = 16     # refreshes of the memoised costs an answer of pays() outlives
-RATE_STEPS = 50       # pays() reads rates to 1/RATE_STEPS (a verdict moves every rate a little)
 
 
 class _Curve:
@@ -218,7 +217,7 @@ class SpecController:
         self.clock = 0                                         # plans made or skipped, every batch size
         self.drafted_at: dict[str, int] = {}                   # request -> the clock when it last drafted (or came)
         self._probe_check = (0, 0)                             # (batch, clock): no probe is due before it
-        self._pays: dict[tuple, bool] = {}                     # memoised pays(), by rates, batch, costs
+        self._pays: dict[tuple, bool] = {}                     # memoised pays(), until the next verdict
         self.predicting: set[str] = set()                      # requests drafting from a predicted output
         self.total = _Rate()                                   # every source's, every sequence's
         self.totals: dict[str | None, _Rate] = {}              # per source, every sequence's
@@ -248,6 +247,7 @@ class SpecController:
     def record(self, req_id: str, accepted: int, max_depth: int, source: str | None = None) -> None:
         """A verified tree of depth `max_depth`, drafted from `source`, gave `accepted` nodes."""
         tries = accepted + (1 if accepted < max_depth else 0)
+        self._pays.clear()
         own = self.rates.setdefault(req_id, {})
         if source not in own:
             own[source] = _Rate()
@@ -311,17 +311,17 @@ class SpecController:
         if all(src is None for src in sources):
             return False
         # asked on most steps of a batch that skips its search, with the same answer until a
-        # rate changes or the costs move: memoised (the costs' memo is refreshed every
-        # MEMO_REFRESH steps; an answer is kept over PAYS_REFRESH of those), rates rounded
-        rates = [round(self.rate(rid, src) * RATE_STEPS) / RATE_STEPS if src is not None else 0.0
-                 for rid, src in zip(req_ids, sources)]
-        key = (tuple(rates), batch, context // CONTEXT_BUCKET, round(draft_cost, 5), round(seq_overhead, 5),
-               self.cost.stamp // PAYS_REFRESH)     # (the measured overheads to 10 us: they move every step)
+        # verdict changes a rate (record() forgets the answers) or the costs move: memoised (the
+        # costs' memo is refreshed every MEMO_REFRESH steps; an answer outlives PAYS_REFRESH of
+        # those, and the measured overheads, which move every step, are read to 10 us)
+        key = (tuple(req_ids), tuple(sources), batch, context // CONTEXT_BUCKET, round(draft_cost, 5),
+               round(seq_overhead, 5), self.cost.stamp // PAYS_REFRESH)
         found = self._pays.get(key)
         if found is None:
             if len(self._pays) > PAYS_MEMO:
                 self._pays.clear()
             caps = [self.max_nodes if src is not None else 0 for src in sources]
+            rates = [self.rate(rid, src) for rid, src in zip(req_ids, sources)]
             found = self._pays[key] = any(self._search(caps, rates, [self.depth] * len(caps), batch, draft_cost,
                                                        seq_overhead, context))
         return found

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from loom.config import SpeculativeConfig
@@ -218,9 +219,9 @@ class SpecDecoder:
         return sum(s.start_pos + len(s.token_ids) for s in seqs) // len(seqs)
 
     def _observed(self, seqs: list[ScheduledSeq], all_plain: bool, logits: torch.Tensor,
-                  batch: int) -> list[list[int] | None] | None:
-        """The top-k rows the drafter learns from this step (None: none; an entry None: that row
-        is not observed). A large batch without drafts (where drafting does not pay) feeds it
+                  batch: int) -> np.ndarray | list[np.ndarray | None] | None:
+        """The top-k rows the drafter learns from this step, int64 [rows, k] (None: none; in a
+        list, an entry None: that row is not observed). A large batch without drafts (where drafting does not pay) feeds it
         OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over the vocabulary for every
         row would cost more than it could teach. While the controller skips its plans at this
         batch size (the last ones drafted nothing) it feeds nothing: what it would learn serves
@@ -229,24 +230,24 @@ class SpecDecoder:
         if not self._observes(all_plain, batch):
             return None
         if not (all_plain and len(seqs) > OBSERVE_PLAIN_BATCH):
-            return topk_indices(logits, self.drafter.observe_topk).tolist()
+            return topk_indices(logits, self.drafter.observe_topk).numpy()
         # rows a .. a + OBSERVE_PLAIN_BATCH, wrapping: at most two views of `logits` (a gather
         # of rows by index copies them, 3-10x the top-k's own time)
         n, a = len(seqs), (self._turn + OBSERVE_PLAIN_BATCH) % len(seqs)
         self._turn = a
         head = min(OBSERVE_PLAIN_BATCH, n - a)
         observed = list(range(a, a + head)) + list(range(OBSERVE_PLAIN_BATCH - head))
-        rows = topk_indices(logits[a:a + head], self.drafter.observe_topk).tolist()
+        rows = list(topk_indices(logits[a:a + head], self.drafter.observe_topk).numpy())
         if head < OBSERVE_PLAIN_BATCH:
-            rows += topk_indices(logits[:OBSERVE_PLAIN_BATCH - head], self.drafter.observe_topk).tolist()
-        topk: list[list[int] | None] = [None] * len(seqs)    # all plain: row i is sequence i's only row
+            rows += list(topk_indices(logits[:OBSERVE_PLAIN_BATCH - head], self.drafter.observe_topk).numpy())
+        topk: list[np.ndarray | None] = [None] * len(seqs)    # all plain: row i is sequence i's only row
         for i, r in zip(observed, rows):
             topk[i] = r
         return topk
 
     def _verify_and_learn(self, host: SpecHost, out: SchedulerOutput, meta, seqs: list[ScheduledSeq],
                           starts: list[int], logits: torch.Tensor, known: torch.Tensor | None,
-                          topk: list[list[int] | None] | None, result: RunnerOutput) -> None:
+                          topk: np.ndarray | list[np.ndarray | None] | None, result: RunnerOutput) -> None:
         """Verifies each drafted sequence's tree into `result` (its tokens, or a dead end),
         compacts the accepted nodes' KV, and feeds the observed rows to the drafter."""
         index = {s.req_id: i for i, s in enumerate(out.seqs)}

@@ -51,7 +51,7 @@ class Observation:
     req_id: str
     row_tokens: list[int]         # token at each scored row: the root, then the draft nodes
     row_parents: list[int]        # parent row of each row (-1 for the root row)
-    row_topk: list[list[int]]     # target's top-k next tokens after each row, best first
+    row_topk: Any                 # int64 [rows, k]: the target's top-k next tokens after each row, best first
     accepted: int                 # draft nodes accepted along the path
 
 

@@ -92,7 +92,7 @@ class LookaheadDrafter(Drafter):
             return
         nodes = [n for n in seq.window_nodes if n + 1 < len(obs.row_tokens)]
         guesses = [obs.row_tokens[n + 1] for n in nodes]
-        ys = [obs.row_topk[n + 1][0] for n in nodes]                 # Jacobi update of each guess
+        ys = [int(obs.row_topk[n + 1][0]) for n in nodes]            # Jacobi update of each guess
         for j in range(len(nodes)):
             self._add(tuple([guesses[j]] + ys[j:j + self.N - 1]))
         seq.window = ys[obs.accepted:]

@@ -59,7 +59,7 @@ class TokenRecyclingDrafter(Drafter):
         if len(obs.row_tokens) == 1:
             self.adj[obs.row_tokens[0]] = obs.row_topk[0][:k]
         else:
-            self.adj[obs.row_tokens] = [row[:k] for row in obs.row_topk]
+            self.adj[obs.row_tokens] = np.asarray(obs.row_topk)[:, :k]
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
         return [self._grow(r.token_ids[-1], r.budget) for r in requests]
