@@ -19,6 +19,9 @@ from loom.contracts import DraftTree
 from loom.speculative.drafters.base import Drafter, DraftRequest, register
 
 
+BULK = 8       # new n-gram starts past which an index extends by zipped slices, not a loop
+
+
 class NgramIndex:
     """The latest start of every n-gram (min_n <= n <= max_n) of a growing token list that
     some token follows, extended as the list grows: a look-up answers what a backwards scan of
@@ -38,9 +41,15 @@ class NgramIndex:
             self._clear()      # not the list indexed: start over
         N = len(tokens)
         for n, grams in self.at.items():
-            # starts s with s + n <= N - 1, past those indexed at the previous size
-            for s in range(max(0, self.size - n), N - n):
-                grams[tuple(tokens[s:s + n])] = s
+            # starts s with s + n <= N - 1, past those indexed at the previous size, in order (a
+            # later start overwrites an earlier one); many at once (a prompt, a batch's tokens
+            # since its last plan) zipped from n shifted slices, half the time of the loop
+            lo, hi = max(0, self.size - n), N - n
+            if hi - lo > BULK:
+                grams.update(zip(zip(*[tokens[lo + j:hi + j] for j in range(n)]), range(lo, hi)))
+            else:
+                for s in range(lo, hi):
+                    grams[tuple(tokens[s:s + n])] = s
         self.size, self.last = N, tokens[-1] if tokens else -1
 
     def find(self, tokens: list[int], k: int) -> tuple[list[int], int]:
