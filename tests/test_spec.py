@@ -262,7 +262,7 @@ def test_prompt_lookup_names_its_match_length_as_the_tree_source():
 def test_controller_keeps_a_rate_per_draft_source_and_plans_by_the_source_at_hand():
     ctl = SpecController(8, depth=lambda k: k)
     ctl.cost.observe(1, 0, 0.010)
-    ctl.cost.observe(1, 8, 0.014)            # eight nodes cost 40% more
+    ctl.cost.observe(1, 8, 0.018)            # eight nodes cost 80% more
     for _ in range(10):
         ctl.record("a", 8, 8, "prompt_lookup:4")     # long copies: every node accepted
         ctl.record("a", 0, 8, "token_recycling")     # guesses: none
@@ -309,7 +309,7 @@ def test_a_fresh_prompt_lookup_match_wakes_a_lone_sequence_whose_plans_skip_thei
     dec = SpecDecoder(SpeculativeConfig("auto"), env)
     ctl = dec.controller
     ctl.cost.observe(1, 0, 0.010)
-    ctl.cost.observe(1, 8, 0.016)
+    ctl.cost.observe(1, 8, 0.018)
     for _ in range(10):
         ctl.record("a", 8, 8, "prompt_lookup:4")     # copies from 4-gram matches are accepted
         ctl.record("a", 0, 8, "token_recycling")     # guesses are not
