@@ -172,23 +172,33 @@ def test_sequences_that_came_together_probe_in_turn_one_a_step():
     assert first == list(range(first[0], first[0] + 6))       # due together: on consecutive steps
 
 
-def test_a_batch_plan_no_named_source_would_make_pay_is_settled_without_proposing():
+def auto_decoder(batch: int, req_ids: str):
+    """A SpecDecoder of method `auto` without a model, whose costs at `batch` sequences make a
+    node cost 10% of a step and whose requests' 4-gram copies were accepted, guesses not."""
     from types import SimpleNamespace
 
     from loom.config import SpeculativeConfig
-    from loom.contracts import ScheduledSeq
     from loom.speculative.decoder import SpecDecoder
     from loom.speculative.drafters import DraftEnv
 
-    env = DraftEnv(SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)), "auto", 16, 16)
-    dec = SpecDecoder(SpeculativeConfig("auto"), env)
+    dec = SpecDecoder(SpeculativeConfig("auto"), DraftEnv(SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)),
+                                                          "auto", 16, 16))
     ctl = dec.controller
-    ctl.cost.observe(4, 0, 0.010)
-    ctl.cost.observe(4, 8, 0.016)
-    for rid in "abcd":
+    ctl.cost.observe(batch, 0, 0.010)
+    ctl.cost.observe(batch, 8, 0.018)
+    for rid in req_ids:
         for _ in range(10):
             ctl.record(rid, 8, 8, "prompt_lookup:4")     # copies from 4-gram matches are accepted
             ctl.record(rid, 0, 8, "token_recycling")     # guesses are not
+    return dec, ctl
+
+
+def test_a_batch_plan_no_named_source_would_make_pay_is_settled_without_proposing():
+    from types import SimpleNamespace
+
+    from loom.contracts import ScheduledSeq
+
+    dec, ctl = auto_decoder(4, "abcd")
     states = {rid: SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i], output_token_ids=[],
                                    params=SamplingParams(temperature=0.0, max_tokens=64), matcher=None)
               for i, rid in enumerate("abcd")}
@@ -300,19 +310,9 @@ def test_auto_takes_the_proposal_whose_source_the_controller_rates_highest():
 def test_a_fresh_prompt_lookup_match_wakes_a_lone_sequence_whose_plans_skip_their_search():
     from types import SimpleNamespace
 
-    from loom.config import SpeculativeConfig
     from loom.contracts import ScheduledSeq
-    from loom.speculative.decoder import SpecDecoder
-    from loom.speculative.drafters import DraftEnv
 
-    env = DraftEnv(SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)), "auto", 16, 16)
-    dec = SpecDecoder(SpeculativeConfig("auto"), env)
-    ctl = dec.controller
-    ctl.cost.observe(1, 0, 0.010)
-    ctl.cost.observe(1, 8, 0.018)
-    for _ in range(10):
-        ctl.record("a", 8, 8, "prompt_lookup:4")     # copies from 4-gram matches are accepted
-        ctl.record("a", 0, 8, "token_recycling")     # guesses are not
+    dec, ctl = auto_decoder(1, "a")
     state = SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], output_token_ids=[],
                             params=SamplingParams(temperature=0.0, max_tokens=64), matcher=None)
     host = SimpleNamespace(request=lambda rid: state)

@@ -221,12 +221,12 @@ class SpecDecoder:
     def _observed(self, seqs: list[ScheduledSeq], all_plain: bool, logits: torch.Tensor,
                   batch: int) -> np.ndarray | list[np.ndarray | None] | None:
         """The top-k rows the drafter learns from this step, int64 [rows, k] (None: none; in a
-        list, an entry None: that row is not observed). A large batch without drafts (where drafting does not pay) feeds it
-        OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k over the vocabulary for every
-        row would cost more than it could teach. While the controller skips its plans at this
-        batch size (the last ones drafted nothing) it feeds nothing: what it would learn serves
-        drafts the controller has just found not to pay, and the top-k was most of an idle
-        step's cost (Gemma 3's 262k-wide rows)."""
+        list, an entry None: that row is not observed). A large batch without drafts (where
+        drafting does not pay) feeds it OBSERVE_PLAIN_BATCH sequences per step, in turn: a top-k
+        over the vocabulary for every row would cost more than it could teach. While the
+        controller skips its plans at this batch size (the last ones drafted nothing) it feeds
+        nothing: what it would learn serves drafts the controller has just found not to pay, and
+        the top-k was most of an idle step's cost (Gemma 3's 262k-wide rows)."""
         if not self._observes(all_plain, batch):
             return None
         if not (all_plain and len(seqs) > OBSERVE_PLAIN_BATCH):
@@ -365,8 +365,7 @@ class SpecDecoder:
 
     def _committed(self, rid: str, st) -> list[int]:
         """The request's prompt + output tokens: one list per request, extended by the tokens
-        committed since it was last asked for (a copy of the context per proposal was most of
-        a lone sequence's look-ups)."""
+        committed since it was last asked for (not a copy of the whole context at every look-up)."""
         toks, prompt, output = self._tokens.get(rid), st.prompt_token_ids, st.output_token_ids
         if toks is None or len(toks) > len(prompt) + len(output):
             toks = self._tokens[rid] = prompt + output
