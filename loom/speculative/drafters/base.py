@@ -37,7 +37,7 @@ class DraftEnv:
 @dataclass(frozen=True)
 class DraftRequest:
     req_id: str
-    token_ids: list[int]    # committed tokens: prompt + output (grown in place as the request goes on: read, never modify)
+    token_ids: list[int]    # committed tokens: prompt + output (the decoder's list, grown in place: never modify)
     budget: int             # most nodes the tree may have (>= 1)
     grammar: Any = None     # its GrammarMatcher (structured output), to read, never to advance
     prompt_len: int = 0     # token_ids[:prompt_len] is the prompt, the rest the output so far
