@@ -28,7 +28,7 @@ from loom.model.kv_dtypes import FORMATS, kv_format
 from loom.model.layers.attention import AttentionMetadata, paged_attention, tree_attention_mask
 from loom.model.layers.linear import PRE_GEGLU, PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, QuantLinear, make_linear
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
-from loom.model.quant import QuantCodes, exact_codes, pack_codes, zero_point
+from loom.model.quant import QuantCodes, exact_codes, pack_codes, pack_rows, zero_point
 from loom.model.weights import LinearWeight
 
 # Only a CPU without the instructions of any variant (AVX-512 VNNI, or AVX2 + FMA + F16C)
@@ -188,6 +188,41 @@ def test_zero_point_only_where_every_group_has_it():
     assert zero_point(QuantCodes(q, a, -16 * a, 8)) == 0
     with pytest.raises(ValueError, match="needs codes below 32"):
         pack_codes(QuantCodes(q, a, -16 * a, 8), zero=16)
+
+
+@pytest.mark.parametrize("bits,zero", [(4, 0), (4, 8), (8, 0), (8, 16), (8, 128)])
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_packing_by_row_range_is_packing_the_whole(bits, zero, fp16_scales):
+    """pack_rows (a cold load's large matrices, a range of rows at a time) gives pack_codes'
+    bytes and layout, with a last range that ends inside a 16-row block."""
+    codes = _random_codes(200, 64, bits, seed=bits + zero, fp16_scales=fp16_scales, zero=zero)
+    if zero == 16:
+        codes.q &= 31   # Q5_0's codes
+
+    def rows(c):
+        return lambda r0, r1: QuantCodes(c.q[r0:r1], c.a[r0:r1], c.b[r0:r1], c.bits)
+    for chunk in (16, 48, 256):
+        want, got = pack_codes(codes), pack_rows(200, 64, rows(codes), chunk_rows=chunk)
+        assert (got.n, got.k, got.bits, got.scales16, got.zero) == (want.n, want.k, want.bits, want.scales16, want.zero)
+        assert got.zero == zero and got.scales16 == fp16_scales
+        assert torch.equal(got.w, want.w)
+    # the layout is the whole matrix's: one range without the zero point, or with a scale
+    # float16 cannot hold, decides it for every range
+    mixed = QuantCodes(codes.q.clone(), codes.a.clone(), codes.b.clone(), bits)
+    mixed.b[150, 1] += 1e-3
+    mixed.a[170, 0] = 0.1 + 1e-6
+    asked = []
+
+    def counted(r0, r1):
+        asked.append(r0)
+        return rows(mixed)(r0, r1)
+    got = pack_rows(200, 64, counted, chunk_rows=48)
+    if zero or fp16_scales:   # the fourth range does not fit the first's layout: it starts again
+        assert asked == [0, 48, 96, 144] + [0, 48, 96, 144, 192] * 2
+    else:
+        assert asked == [0, 48, 96, 144, 192]
+    assert got.zero == 0 and not got.scales16
+    assert torch.equal(got.w, pack_codes(mixed).w)
 
 
 @pytest.mark.skipif(kernels.supported_variants() != ["avx512", "avx2"], reason="needs a CPU that runs both variants")

@@ -24,6 +24,7 @@ from loom.model import pack_cache, weights
 from loom.model.build import load_model
 from loom.model.layers.embedding import QuantEmbedding
 from loom.model.pack_cache import PackCache, read_pack_file
+from loom.model.quant import pack_codes
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"loom kernels: {kernels.unavailable_reason()}")
 pytestmark = needs_kernels
@@ -56,13 +57,15 @@ def _packed_weights(model) -> list[torch.Tensor]:
 
 
 def _count_packing(monkeypatch) -> list[int]:
+    """Counts the matrices packed, whole (pack_codes) or by row range (pack_rows)."""
     calls = [0]
-    real = weights.pack_codes
+    for name in ("pack_codes", "pack_rows"):
+        real = getattr(weights, name)
 
-    def counting(codes):
-        calls[0] += 1
-        return real(codes)
-    monkeypatch.setattr(weights, "pack_codes", counting)
+        def counting(*args, real=real):
+            calls[0] += 1
+            return real(*args)
+        monkeypatch.setattr(weights, name, counting)
     return calls
 
 
@@ -220,6 +223,46 @@ def test_cache_holds_every_projection(cache_dir, tiny_llama_path):
     cache = PackCache.open(f, kernels.variant())
     assert len(cache.entries) == 1 + 4 * len(model.layers)
     assert "blk.0.attn_q.weight@unpermute4+blk.0.attn_k.weight@unpermute2+blk.0.attn_v.weight" in cache.entries
+
+
+def _resident_bytes(path: Path) -> int:
+    """Resident bytes of this process's mappings of `path` (Linux /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5:   # a mapping's first line
+            inside = len(head) == 6 and head[5] == str(path)
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_a_packed_matrix_leaves_its_stored_pages_out_of_the_resident_set(tmp_path):
+    """A cold load reads each stored matrix once, by row range, and drops its file pages from the
+    resident set after copying out its codes: they need not stay beside the packed copy."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((1024, 512)).astype(np.float32)
+    path = tmp_path / "one.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("m.weight", tiny_gguf.quantize(table, Q.Q8_0), raw_shape=(1024, 512 // 32 * 34), raw_dtype=Q.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile.open(path)
+    w = weights.GGUFWeights(f).linear("m.weight", (1024, 512))
+    before = _resident_bytes(path)
+    packed = w._pack()   # by row range
+    assert _resident_bytes(path) - before < f.tensor_info("m.weight").nbytes // 4
+    assert packed.zero == 128 and packed.n == 1024
+    raw = f.raw("m.weight")
+    assert torch.equal(packed.w, pack_codes(weights.exact_codes(np.asarray(raw), Q.Q8_0, (1024, 512))).w)
+    assert int(raw.sum()) > 0 and _resident_bytes(path) - before >= raw.nbytes // 2   # read again, it is there again
+    f.release(raw)
+    assert _resident_bytes(path) - before < raw.nbytes // 4
 
 
 # -- the embedding, gathered from its stored rows ---------------------------------------------------------

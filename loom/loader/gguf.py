@@ -18,6 +18,7 @@ Layout reminder (GGUF v2/v3, little endian)::
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -212,6 +213,25 @@ class GGUFFile:
         """The tensor's bytes as stored (uint8 view into the memory map, no copy)."""
         info = self.tensor_info(name)
         return self._mm[info.offset:info.offset + info.nbytes]
+
+    def raw_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows r0 .. r1 - 1 of a 2-D tensor's stored bytes (a row's blocks are contiguous)."""
+        info = self.tensor_info(name)
+        return self.raw(name).reshape(info.shape[0], -1)[r0:r1]
+
+    def release(self, data: np.ndarray) -> None:
+        """Drops the whole pages under `data` (a view into this file's memory map) from the
+        process's resident memory; they stay in the page cache and are read again if touched.
+        A cold load packs each matrix once, after which its stored bytes need not stay resident
+        beside the packed copy."""
+        mapping = getattr(self._mm, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED") or data.size == 0:
+            return
+        start = data.ctypes.data - self._mm.ctypes.data
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (start + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first:
+            mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def tensor_info(self, name: str) -> TensorInfo:
         if name not in self.tensors:

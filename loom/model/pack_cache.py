@@ -22,6 +22,7 @@ freshly packed weights, saying so once. ``LOOM_PACK_CACHE=0`` turns the cache of
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -190,6 +191,7 @@ class PackCache:
         for name, p in self.entries.items():
             if name in mapped and mapped[name].w.shape == p.w.shape:
                 p.w = mapped[name].w
+        _trim_heap()
 
     def close(self) -> None:
         self.bar.close()
@@ -201,6 +203,15 @@ class PackCache:
         self.close()
         if exc_type is None:
             self.save()
+
+
+def _trim_heap() -> None:
+    """Hands the heap's free pages back to the system (glibc): the packing's copies, freed, stay
+    resident otherwise (Gemma 3's cold load: 123 MB of them)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass   # not glibc
 
 
 class _Bar:

@@ -17,6 +17,7 @@ torch's int4 kernel (the fallback path) wants `(q - 8) * scale + zero`: scale = 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -79,6 +80,14 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     """[..., 4] bytes (a little-endian 32-bit mask) -> [..., 32] bits, element j = bit j."""
     return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+EXACT_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q8_0)
+
+
+def has_exact_codes(qtype: QT) -> bool:
+    """Whether `exact_codes` gives the stored type's codes (else it returns None)."""
+    return qtype in EXACT_TYPES
 
 
 def exact_codes(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> QuantCodes | None:
@@ -146,10 +155,12 @@ class PackedCodes:
 
 def zero_point(c: QuantCodes) -> int:
     """The integer zero point Z of `c` (b = -Z a in every group, exactly, and codes below 2 Z), or 0."""
-    for z in ZERO_POINTS[c.bits]:
-        if torch.equal(c.b, c.a * -z) and _codes_below(c, 2 * z):
-            return z
-    return 0
+    return next(iter(_zero_points(c)), 0)
+
+
+def _zero_points(c: QuantCodes) -> tuple[int, ...]:
+    """Every zero point of c's width that holds for `c`, in ZERO_POINTS' order."""
+    return tuple(z for z in ZERO_POINTS[c.bits] if torch.equal(c.b, c.a * -z) and _codes_below(c, 2 * z))
 
 
 def _codes_below(c: QuantCodes, bound: int) -> bool:
@@ -169,7 +180,7 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) 
     if zero and not _codes_below(c, 2 * zero):
         raise ValueError(f"zero point {zero} needs codes below {2 * zero}")
     stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
-    scales16 = all(torch.equal(t.half().float(), t) for t in stored)
+    scales16 = all(_fits_half(t) for t in stored)
     dt = torch.float16 if scales16 else torch.float32
     code_bytes = ROWS * GROUP * c.bits // 8
     w = torch.empty(nb, g, code_bytes + len(stored) * ROWS * dt.itemsize, dtype=torch.uint8)
@@ -178,6 +189,75 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) 
         rows = slice(b0 * ROWS, b1 * ROWS)
         _pack_blocks(w[b0:b1], c.q[rows], [t[rows] for t in stored], c.bits, code_bytes, dt)
     return PackedCodes(w, n, k, c.bits, scales16, zero)
+
+
+def pack_rows(n: int, k: int, rows: Callable[[int, int], QuantCodes], chunk_rows: int = ROWS * 512) -> PackedCodes:
+    """`pack_codes` of an [n, k] matrix whose codes come by row range (`rows(r0, r1)`: the codes
+    of rows r0 .. r1 - 1), so that no full-size copy of its codes is ever made. The first range
+    chooses the layout (zero point, float16 scales); should a later range not fit it, the layout
+    is chosen over every range and the packing starts again. The result equals pack_codes of the
+    whole matrix's codes."""
+    assert chunk_rows % ROWS == 0
+    spans = [(r0, min(r0 + chunk_rows, n)) for r0 in range(0, n, chunk_rows)]
+    layout = w = None
+    for r0, r1 in spans:
+        c = rows(r0, r1)
+        if layout is None:
+            layout = _Layout.of(c)
+            w = layout.empty(n, k)
+        elif not layout.fits(c):
+            layout = _Layout.over(rows(*span) for span in spans)
+            w = layout.empty(n, k)
+            for s0, s1 in spans:
+                layout.pack(w, s0, s1, rows(s0, s1))
+            break
+        layout.pack(w, r0, r1, c)
+    return PackedCodes(w, n, k, layout.bits, layout.dt == torch.float16, layout.zero)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """pack_codes' choices for a matrix: the code width, the zero point, the scales' type."""
+
+    bits: int
+    zero: int
+    dt: torch.dtype
+
+    @staticmethod
+    def over(parts) -> "_Layout":
+        bits, zeros, a16, b16 = None, None, True, True
+        for c in parts:
+            if bits is not None and c.bits != bits:
+                raise ValueError(f"row ranges of {bits}-bit and {c.bits}-bit codes in one matrix")
+            bits, z = c.bits, _zero_points(c)
+            zeros = z if zeros is None else tuple(x for x in zeros if x in z)
+            a16, b16 = a16 and _fits_half(c.a), b16 and _fits_half(c.b)
+        zero = next(iter(zeros), 0)
+        return _Layout(bits, zero, torch.float16 if a16 and (zero or b16) else torch.float32)
+
+    @staticmethod
+    def of(c: QuantCodes) -> "_Layout":
+        return _Layout.over([c])
+
+    def fits(self, c: QuantCodes) -> bool:
+        """Whether rows `c` can be packed in this layout as pack_codes would pack them."""
+        return (c.bits == self.bits and (not self.zero or self.zero in _zero_points(c))
+                and (self.dt == torch.float32 or all(_fits_half(t) for t in self.stored(c))))
+
+    def stored(self, c: QuantCodes) -> list[torch.Tensor]:
+        return [c.a] if self.zero else [c.a, c.b]
+
+    def empty(self, n: int, k: int) -> torch.Tensor:
+        code_bytes = ROWS * GROUP * self.bits // 8
+        return torch.empty(-(-n // ROWS), k // GROUP, code_bytes + (1 if self.zero else 2) * ROWS * self.dt.itemsize,
+                           dtype=torch.uint8)
+
+    def pack(self, w: torch.Tensor, r0: int, r1: int, c: QuantCodes) -> None:
+        _pack_blocks(w[r0 // ROWS:-(-r1 // ROWS)], c.q, self.stored(c), self.bits, ROWS * GROUP * self.bits // 8, self.dt)
+
+
+def _fits_half(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)
 
 
 def _pack_blocks(out: torch.Tensor, q: torch.Tensor, scales: list[torch.Tensor], bits: int, code_bytes: int,

@@ -17,7 +17,7 @@ from loom.errors import ModelLoadError
 from loom.loader.gguf import GGUFFile
 from loom.model.layers.embedding import QuantEmbedding
 from loom.model.pack_cache import PackCache
-from loom.model.quant import PackedCodes, QuantCodes, exact_codes, pack_codes
+from loom.model.quant import PackedCodes, QuantCodes, exact_codes, has_exact_codes, pack_codes, pack_rows
 
 _UNSET = object()
 
@@ -34,12 +34,14 @@ class LinearWeight:
     def __init__(self, dense: torch.Tensor | None = None, quant: QuantCodes | None = None, *,
                  shape: tuple[int, int] | None = None, make_dense: Callable[[], torch.Tensor] | None = None,
                  make_quant: Callable[[], QuantCodes | None] | None = None,
+                 quant_rows: Callable[[int, int], QuantCodes] | None = None,
                  key: str | None = None, cache: PackCache | None = None):
         if dense is None and make_dense is None:
             raise ValueError("LinearWeight needs a dense tensor or a way to make one")
         self._dense, self._make_dense = dense, make_dense
         self._quant = quant if dense is not None or quant is not None or make_quant is None else _UNSET
         self._make_quant = make_quant
+        self._quant_rows = quant_rows   # the exact codes by row range, where the stored type has them
         self.shape = tuple(shape) if shape is not None else tuple(dense.shape)   # (out, in)
         self.key, self.cache = key, cache   # the packed form's name in the cache, and the cache
 
@@ -61,7 +63,14 @@ class LinearWeight:
     def packed(self) -> PackedCodes:
         """The kernels' layout of `codes()`: from the packed-weight cache when it holds it."""
         if self.cache is not None and self.key is not None:
-            return self.cache.get(self.key, lambda: pack_codes(self.codes()))
+            return self.cache.get(self.key, self._pack)
+        return self._pack()
+
+    def _pack(self) -> PackedCodes:
+        # by row range where the file gives exact codes that way and none were made yet (Gemma 3's
+        # 262k-row output matrix: its codes and scales would be 210 MB more at once)
+        if self._quant_rows is not None and self._quant is _UNSET:
+            return pack_rows(*self.shape, self._quant_rows)
         return pack_codes(self.codes())
 
     @property
@@ -123,7 +132,8 @@ class GGUFWeights:
         self._check_shape(name, shape)
         info = self.file.tensor_info(name)
         w = LinearWeight(shape=shape, make_dense=lambda: self.get(name, shape),
-                         make_quant=lambda: exact_codes(np.asarray(self.file.raw(name)), info.qtype, shape),
+                         make_quant=lambda: self._exact_rows(name, 0, shape[0]),
+                         quant_rows=(lambda r0, r1: self._exact_rows(name, r0, r1)) if has_exact_codes(info.qtype) else None,
                          key=name, cache=self.cache)
         if unpermute_heads:
             n = shape[0]
@@ -131,6 +141,14 @@ class GGUFWeights:
             order = torch.arange(n).view(unpermute_heads, half, 2).transpose(1, 2).reshape(n)
             w = w.permute_rows(order, f"unpermute{unpermute_heads}")
         return w
+
+    def _exact_rows(self, name: str, r0: int, r1: int) -> QuantCodes | None:
+        """The exact codes of rows r0 .. r1 - 1 (None for a type without them); the stored rows'
+        pages then leave the resident set (the codes are copies)."""
+        info, raw = self.file.tensor_info(name), self.file.raw_rows(name, r0, r1)
+        codes = exact_codes(np.asarray(raw), info.qtype, (r1 - r0, info.shape[1]))
+        self.file.release(raw)
+        return codes
 
     def embedding(self, name: str, shape: tuple[int, int]) -> QuantEmbedding:
         """Rows of an embedding table, dequantized from the stored rows as they are gathered."""
