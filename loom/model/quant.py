@@ -247,13 +247,17 @@ class _Layout:
     def stored(self, c: QuantCodes) -> list[torch.Tensor]:
         return [c.a] if self.zero else [c.a, c.b]
 
+    @property
+    def code_bytes(self) -> int:
+        return ROWS * GROUP * self.bits // 8
+
     def empty(self, n: int, k: int) -> torch.Tensor:
-        code_bytes = ROWS * GROUP * self.bits // 8
-        return torch.empty(-(-n // ROWS), k // GROUP, code_bytes + (1 if self.zero else 2) * ROWS * self.dt.itemsize,
-                           dtype=torch.uint8)
+        block = self.code_bytes + (1 if self.zero else 2) * ROWS * self.dt.itemsize
+        return torch.empty(-(-n // ROWS), k // GROUP, block, dtype=torch.uint8)
 
     def pack(self, w: torch.Tensor, r0: int, r1: int, c: QuantCodes) -> None:
-        _pack_blocks(w[r0 // ROWS:-(-r1 // ROWS)], c.q, self.stored(c), self.bits, ROWS * GROUP * self.bits // 8, self.dt)
+        """Rows r0 .. r1 - 1 (codes `c`) into `w`; r0 a multiple of ROWS."""
+        _pack_blocks(w[r0 // ROWS:-(-r1 // ROWS)], c.q, self.stored(c), self.bits, self.code_bytes, self.dt)
 
 
 def _fits_half(t: torch.Tensor) -> bool:

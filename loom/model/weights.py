@@ -131,9 +131,9 @@ class GGUFWeights:
         """
         self._check_shape(name, shape)
         info = self.file.tensor_info(name)
+        rows = (lambda r0, r1: self._exact_rows(name, r0, r1)) if has_exact_codes(info.qtype) else None
         w = LinearWeight(shape=shape, make_dense=lambda: self.get(name, shape),
-                         make_quant=lambda: self._exact_rows(name, 0, shape[0]),
-                         quant_rows=(lambda r0, r1: self._exact_rows(name, r0, r1)) if has_exact_codes(info.qtype) else None,
+                         make_quant=lambda: self._exact_rows(name, 0, shape[0]), quant_rows=rows,
                          key=name, cache=self.cache)
         if unpermute_heads:
             n = shape[0]
