@@ -255,7 +255,7 @@ def test_a_packed_matrix_leaves_its_stored_pages_out_of_the_resident_set(tmp_pat
     f = GGUFFile.open(path)
     w = weights.GGUFWeights(f).linear("m.weight", (1024, 512))
     before = _resident_bytes(path)
-    packed = w._pack()   # by row range
+    packed = w.packed()   # no cache: packed by row range from the file
     assert _resident_bytes(path) - before < f.tensor_info("m.weight").nbytes // 4
     assert packed.zero == 128 and packed.n == 1024
     raw = f.raw("m.weight")
