@@ -172,23 +172,18 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) 
     262k-row matrix never has a second full-size copy in flight). zero: the layout's zero point,
     by default `zero_point(c)`; 0 keeps every offset (the affine layout of any matrix)."""
     n, k = c.q.shape
-    g = k // GROUP
-    nb = -(-n // ROWS)
     zero = zero_point(c) if zero is None else zero
     if zero and not torch.equal(c.b, c.a * -zero):
         raise ValueError(f"zero point {zero} does not hold for every group")
     if zero and not _codes_below(c, 2 * zero):
         raise ValueError(f"zero point {zero} needs codes below {2 * zero}")
     stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
-    scales16 = all(_fits_half(t) for t in stored)
-    dt = torch.float16 if scales16 else torch.float32
-    code_bytes = ROWS * GROUP * c.bits // 8
-    w = torch.empty(nb, g, code_bytes + len(stored) * ROWS * dt.itemsize, dtype=torch.uint8)
-    for b0 in range(0, nb, chunk_blocks):
-        b1 = min(b0 + chunk_blocks, nb)
-        rows = slice(b0 * ROWS, b1 * ROWS)
-        _pack_blocks(w[b0:b1], c.q[rows], [t[rows] for t in stored], c.bits, code_bytes, dt)
-    return PackedCodes(w, n, k, c.bits, scales16, zero)
+    layout = _Layout(c.bits, zero, torch.float16 if all(_fits_half(t) for t in stored) else torch.float32)
+    w = layout.empty(n, k)
+    for r0 in range(0, n, chunk_blocks * ROWS):
+        r1 = min(r0 + chunk_blocks * ROWS, n)
+        layout.pack(w, r0, r1, QuantCodes(c.q[r0:r1], c.a[r0:r1], c.b[r0:r1], c.bits))
+    return PackedCodes(w, n, k, c.bits, layout.dt == torch.float16, zero)
 
 
 def pack_rows(n: int, k: int, rows: Callable[[int, int], QuantCodes], chunk_rows: int = ROWS * 512) -> PackedCodes:
