@@ -201,19 +201,42 @@ constexpr int64_t packed_block_bytes(int64_t bits, int64_t scale_bytes, int64_t 
 template <int BITS, typename S, int ZL>
 constexpr int64_t block_bytes() { return packed_block_bytes(BITS, sizeof(S), ZL); }
 
-// acc[i] = rows h W .. (h + 1) W - 1 of a block column times activation row m0 + i, over all G groups.
+// acc[i] += rows h W .. (h + 1) W - 1 of one group's block wp times activation row i (its int8
+// codes at xq + 8 i, int16 ones at xw + 32 i).
 // Z > 0: every group's offset is b = -Z a (Q4_0, Q5_0, Q8_0: an integer zero point), so the
 // offset term is integer, a d <q - Z, xq> = a d (<q, xq> - Z sum(xq)), and one FMA per row and
 // group is left on the multiply pipes instead of two (and the two large terms' cancellation is exact).
 // ZL: the layout's zero point (blocks without b); Z is ZL, or 0 for the affine arithmetic on such
 // a matrix (the AVX2 variant's full 8-bit codes, Q8_0), which then takes b = -ZL a.
 template <class V, int BITS, int MT, typename S, int Z, int ZL>
-LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, int h,
-                      bool once, typename V::F* acc) {
+LOOM_INLINE void group_part(const uint8_t* wp, int h, const int32_t* xq, const int16_t* xw, const int32_t* xs,
+                            const float* d, const float* s, typename V::F* acc) {
   static_assert(Z == 0 || Z == ZL, "the integer path needs the layout's zero point");
-  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512, BLOCK = block_bytes<BITS, S, ZL>();
+  constexpr int64_t CODE_BYTES = BITS == 4 ? 256 : 512;
+  typename V::I dot[MT];
+  V::template dots<BITS, MT, Z>(wp, h, xq, xw, xs, dot);
+  const S* sc = (const S*)(wp + CODE_BYTES);
+  const typename V::F av = V::load(sc + h * V::W);
+  const typename V::F bv = Z > 0    ? V::zero()
+                           : ZL > 0 ? V::mul(av, V::set1(-(float)ZL))
+                                    : V::load(sc + ROWS + h * V::W);
+  for (int i = 0; i < MT; ++i) {
+    acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
+    if constexpr (Z == 0) acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);   // the offset term b s
+  }
+}
+
+// acc[p][i] = part H + p (rows (H + p) W .. of a block column) times activation row m0 + i, over
+// all G groups, for the NP parts from H. Where a call reads each block once (`once`), a tile takes
+// every part of a block at a time and the blocks stream past L2 and L3 (GEMM_NTA_BLOCKS);
+// otherwise a part at a time, and the column waits in L2 for the next part (GEMM_PF_BLOCKS).
+template <class V, int BITS, int MT, typename S, int Z, int ZL, int H, int NP>
+LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, bool once,
+                           typename V::F (*acc)[MT]) {
+  constexpr int64_t BLOCK = block_bytes<BITS, S, ZL>();
   const int64_t P = qa.P;
-  for (int i = 0; i < MT; ++i) acc[i] = V::zero();
+  for (int p = 0; p < NP; ++p)
+    for (int i = 0; i < MT; ++i) acc[p][i] = V::zero();
   // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
   const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
   const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + m0 * K : nullptr;
@@ -221,23 +244,13 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
   for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
-    if (h == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
+    if constexpr (H == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
       if (once)
         for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_NTA_BLOCKS * BLOCK + off), _MM_HINT_NTA);
       else
         for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
     }
-    typename V::I dot[MT];
-    V::template dots<BITS, MT, Z>(wp, h, xq, xw, xs, dot);   // row i's codes at xq + 8 i (xw + 32 i)
-    const S* sc = (const S*)(wp + CODE_BYTES);
-    const typename V::F av = V::load(sc + h * V::W);
-    const typename V::F bv = Z > 0    ? V::zero()
-                             : ZL > 0 ? V::mul(av, V::set1(-(float)ZL))
-                                      : V::load(sc + ROWS + h * V::W);
-    for (int i = 0; i < MT; ++i) {
-      acc[i] = V::fma(V::cvt(dot[i]), V::mul(av, V::set1(d[i])), acc[i]);
-      if constexpr (Z == 0) acc[i] = V::fma(bv, V::set1(s[i]), acc[i]);   // the offset term b s
-    }
+    for (int p = 0; p < NP; ++p) group_part<V, BITS, MT, S, Z, ZL>(wp, H + p, xq, xw, xs, d, s, acc[p]);
   }
 }
 
@@ -253,29 +266,47 @@ struct NoEpi {
   void done() const {}
 };
 
-// y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it; fewer
-// than 16 rows only at the end of N; epi(row, first column, stored vector, its valid lanes)
+// y[m0 .. m0 + MT, n0 + (H + p) W ..) (+)= acc[p] for the NP parts from H, those within N;
+// epi(row, first column, stored vector, its valid lanes)
+template <class V, int MT, int H, int NP, class Epi>
+LOOM_INLINE void store_parts(typename V::F (*acc)[MT], int64_t m0, float* y, int64_t ldy, int64_t n0, int64_t N,
+                             bool accumulate, Epi& epi) {
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = N - n0 - (H + p) * V::W;
+    if (n <= 0) return;
+    for (int i = 0; i < MT; ++i) {
+      typename V::F out = acc[p][i];
+      if (epi.stores()) {   // else y is null: nothing is read or written there
+        float* yp = y + (m0 + i) * ldy + n0 + (H + p) * V::W;
+        if (accumulate) out = V::add(out, V::load_n(yp, n));
+        if (Epi::kStream && n >= V::W && (uintptr_t)yp % sizeof(out) == 0)
+          V::stream(yp, out);
+        else
+          V::store_n(yp, out, n);
+      }
+      epi(m0 + i, n0 + (H + p) * V::W, out, std::min<int64_t>(n, V::W));
+    }
+  }
+}
+
+// y[m0 .. m0 + MT, n0 .. n0 + 16) (+)= one block column, part H and the parts after it (all at
+// once where `once`); fewer than 16 rows only at the end of N
 template <class V, int BITS, int MT, typename S, int Z, int ZL, int H = 0, class Epi>
 inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y, int64_t ldy,
                  int64_t n0, int64_t N, bool accumulate, bool once, Epi& epi) {
-  const int64_t n = N - n0 - H * V::W;
-  if (n <= 0) return;
-  typename V::F acc[MT];
-  tile_part<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, H, once, acc);
-  for (int i = 0; i < MT; ++i) {
-    typename V::F out = acc[i];
-    if (epi.stores()) {   // else y is null: nothing is read or written there
-      float* yp = y + (m0 + i) * ldy + n0 + H * V::W;
-      if (accumulate) out = V::add(out, V::load_n(yp, n));
-      if (Epi::kStream && n >= V::W && (uintptr_t)yp % sizeof(out) == 0)
-        V::stream(yp, out);
-      else
-        V::store_n(yp, out, n);
+  constexpr int PARTS = ROWS / V::W;
+  if (N - n0 - H * V::W <= 0) return;
+  if constexpr (H == 0 && PARTS > 1) {
+    if (once) {
+      typename V::F acc[PARTS][MT];
+      tile_part<V, BITS, MT, S, Z, ZL, 0, PARTS>(w, G, qa, K, m0, true, acc);
+      return store_parts<V, MT, 0, PARTS>(acc, m0, y, ldy, n0, N, accumulate, epi);
     }
-    epi(m0 + i, n0 + H * V::W, out, std::min<int64_t>(n, V::W));
   }
-  if constexpr (H + 1 < ROWS / V::W)
-    tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, once, epi);
+  typename V::F acc[1][MT];
+  tile_part<V, BITS, MT, S, Z, ZL, H, 1>(w, G, qa, K, m0, once, acc);
+  store_parts<V, MT, H, 1>(acc, m0, y, ldy, n0, N, accumulate, epi);
+  if constexpr (H + 1 < PARTS) tile<V, BITS, MT, S, Z, ZL, H + 1>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, false, epi);
 }
 
 // the tile for mt = 1 .. MT activation rows
@@ -304,12 +335,11 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   const int64_t code_bytes = V::template wide_codes<BITS, V::MT_MAX, Z>() ? 2 : 1;   // int16 codes: half the rows
   const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / (K * code_bytes) / V::MT_MAX * V::MT_MAX);
   const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
-  // a few rows whose tiles read each weight block once: past the caches. Not on AVX2, whose tiles
-  // read a block's two halves one after the other (streamed, its one-row step ran 0.91x). Taking
-  // both halves at a time, one row gained 1.07-1.21x there, but 2 and 4 rows lost (0.85-0.93x),
-  // so a step with a draft node no longer streamed while plain steps did, and speculation's
-  // floor fell (Spec-Bench writing, SmolLM2: 0.969x).
-  const bool once = M <= GEMM_NTA_ROWS && ROWS == V::W;
+  // a few rows whose tiles read each weight block once: past the caches. The AVX2 variant's tiles
+  // then take both halves of a block at a time (tile); on an AVX2-only Zen 2 decode steps ran
+  // 1.14-1.23x as fast at one row, 1.10-1.39x at 2-4 (benchmarks/step_ab.py), where streaming 6
+  // and 8 rows gained nothing (0.97-1.04x). (Forced on a Zen 4, 2 and 4 rows had lost 0.85-0.93x.)
+  const bool once = M <= GEMM_NTA_ROWS;
   // chunks of at least ~1M multiply-adds (a few microseconds)
   const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
   parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
