@@ -193,6 +193,12 @@ constexpr int64_t GEMM_PF_BLOCKS = 64;
 // no longer waiting on memory, streamed blocks ran 0.91-0.93x, so more rows keep them in L2.
 constexpr int64_t GEMM_NTA_BLOCKS = 16, GEMM_NTA_ROWS = 4;
 
+// whether the CPU has AVX-512 (whatever this build's instructions)
+inline bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
 // bytes of one packed block: the codes, 16 scales a and, without a zero point, 16 offsets b
 constexpr int64_t packed_block_bytes(int64_t bits, int64_t scale_bytes, int64_t zero) {
   return (bits == 4 ? 256 : 512) + (zero > 0 ? 1 : 2) * ROWS * scale_bytes;
@@ -338,8 +344,9 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   // a few rows whose tiles read each weight block once: past the caches. The AVX2 variant's tiles
   // then take both halves of a block at a time (tile); on an AVX2-only Zen 2 decode steps ran
   // 1.14-1.23x as fast at one row, 1.10-1.39x at 2-4 (benchmarks/step_ab.py), where streaming 6
-  // and 8 rows gained nothing (0.97-1.04x). (Forced on a Zen 4, 2 and 4 rows had lost 0.85-0.93x.)
-  const bool once = M <= GEMM_NTA_ROWS;
+  // and 8 rows gained nothing (0.97-1.04x). On a CPU with AVX-512, where the AVX2 variant runs
+  // only when forced, its blocks stay in L2: on a Zen 4, streamed, 2 and 4 rows lost 0.85-0.93x.
+  const bool once = M <= GEMM_NTA_ROWS && (ROWS == V::W || !cpu_has_avx512());
   // chunks of at least ~1M multiply-adds (a few microseconds)
   const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
   parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
