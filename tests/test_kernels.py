@@ -279,9 +279,9 @@ def test_qgemm_fused_pre_ops_and_residual():
 def test_qgemm_rows_do_not_depend_on_the_batch(bits, zero):
     """A row's outputs have the same bits in any batch: on the AVX2 variant a lone row's 8-bit
     dot products move the codes' signs onto the activation, a tile of several rows widens the
-    codes to 16 bits; both sums are exact. A call of at most 4 rows streams the weights, and its
-    AVX2 tiles take both halves of a block at a time, summing each output's groups in the same
-    order (300 outputs: the last block's second half has 4 of its 8 rows)."""
+    codes to 16 bits; both sums are exact. A call of at most 4 rows streams the weights, and there
+    (on a CPU without AVX-512) the AVX2 tiles take both halves of a block at a time, summing each
+    output's groups in the same order (300 outputs: the last block's second half has 4 of 8 rows)."""
     codes = _random_codes(300, 192, bits, seed=7, fp16_scales=True, zero=zero)
     lin = QuantLinear(LinearWeight(codes.dequantize(), codes))
     x = torch.randn(37, 192, generator=torch.Generator().manual_seed(3))
