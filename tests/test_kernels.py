@@ -814,3 +814,59 @@ def test_auto_mode_falls_back_to_torch_without_kernels(tmp_path: Path, monkeypat
     ids = list(range(3, 40))
     exact, auto = _logits(path, "exact", ids), _logits(path, "auto", ids)
     assert float((auto - exact).abs().max()) <= 0.05 * float(exact.abs().max())
+
+
+def _stack_outputs(model, tok, path: Path, case: str) -> tuple[list, int]:
+    """Greedy outputs (token ids, top-5 logprobs) of three prompts, and the steps whose layers ran
+    in one kernel call (DecodeStack)."""
+    from loom.config import EngineConfig
+    from loom.engine.engine import Engine
+    from loom.llm import LLM
+    from loom.sampling_params import SamplingParams
+
+    opts = dict(block_size=4, num_blocks=256, max_num_batched_tokens=64, max_num_seqs=4)
+    if case == "int8 cache":
+        opts["kv_cache_dtype"] = "int8"
+    if case == "drafts":
+        opts["speculative_config"] = {"method": "prompt_lookup", "num_speculative_tokens": 3, "adaptive": False}
+    engine = Engine(EngineConfig.create(str(path), **opts), model=model, tokenizer=tok)
+    taken = []
+    if model.stack is not None:
+        run = model.stack.run
+        model.stack.run = lambda *a: taken.append(run(*a)) or taken[-1]
+    eviction = {"policy": "streaming", "budget": 16, "sinks": 2} if case == "eviction" else None
+    prompts = [[5, 6, 7, 8] * 5, list(range(3, 40)), [9, 10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_eviction=eviction,
+                            logprobs=None if case == "drafts" else 5)
+    outs = LLM.from_engine(engine).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    if model.stack is not None:
+        del model.stack.run
+    rows = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs or []])
+            for o in outs]
+    return rows, sum(taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("case", ["decode", "int8 cache", "drafts", "eviction"])
+def test_decode_stack_gives_the_python_loops_outputs(tmp_path: Path, arch, case):
+    """The layers of a decode step in one kernel call (loom/model/layers/stack.py) make the Python
+    loop's kernel calls with its arguments in its order: the same logits, bit for bit, for both
+    architectures (Gemma 3's sliding-window and global layers, q/k norms, post norms), with a
+    quantized cache (its smoothed q/k norms), draft chains verified as kernel rows, and evicted
+    entries (the windowed layers' first keys). Prefill chunks take the Python loop."""
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import Tokenizer
+    from loom.model.build import load_model
+
+    write = tiny_gguf.write_tiny_llama if arch == "llama" else tiny_gguf.write_tiny_gemma3
+    path = write(tmp_path / f"{arch}.gguf", seed=3)
+    f = GGUFFile.open(path)
+    model, tok = load_model(f, linear="auto"), Tokenizer.from_gguf(f)
+    assert model.stack is not None
+    fast, steps = _stack_outputs(model, tok, path, case)
+    assert steps >= 8                   # the decode steps took it
+    stack, model.stack = model.stack, None
+    slow, _ = _stack_outputs(model, tok, path, case)
+    model.stack = stack
+    assert fast == slow

@@ -456,6 +456,8 @@ void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) 
 
 }  // namespace loom
 
+#include "loom_kernels_stack.h"   // decode_layers: the kernels above, a whole stack per call
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &loom::qgemm, "quantized GEMM with fused activation pre-op");
   m.def("rope_store", &loom::rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache", py::arg("qkv"),
@@ -479,6 +481,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_rows", &loom::logprob_rows, "each row's log-sum-exp, the ids of its k largest logits and its "
         "target's rank", py::arg("logits"), py::arg("k"), py::arg("targets") = py::none());
   m.def("add_rmsnorm", &loom::add_rmsnorm, "h += rmsnorm(y) * w");
+  m.def("decode_layers", &loom::decode_layers, "a decoder stack's layers over attention's kernel rows, in place",
+        py::arg("h"), py::arg("weights"), py::arg("dims"), py::arg("norms"), py::arg("eps"), py::arg("down_pre"),
+        py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("rope_of"), py::arg("windows"),
+        py::arg("k_caches"), py::arg("v_caches"), py::arg("slot_mapping"), py::arg("H"), py::arg("Hkv"),
+        py::arg("kv_format"), py::arg("scale"), py::arg("slots"), py::arg("ctx"), py::arg("groups") = py::none(),
+        py::arg("shared") = py::none(), py::arg("first") = py::none());
   m.def("apply_bitmask", &loom::apply_bitmask, "logits = -inf where a token bitmask's bit is clear, in place; "
         "returns which rows admit a token");
 }

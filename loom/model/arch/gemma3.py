@@ -27,6 +27,7 @@ from loom.model.layers.attention import AttentionMetadata, paged_attention, page
 from loom.model.layers.linear import PRE_GEGLU, PRE_RMSNORM, LinearBackend, fused_kernels, make_linear, output_logits
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
+from loom.model.layers.stack import DecodeStack
 from loom.model.weights import GGUFWeights, LinearWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -94,6 +95,13 @@ class Gemma3ForCausalLM:
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
+        self.stack = None if self.kern is None else DecodeStack(   # the layers in one call (decode batches)
+            self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in self.layers],
+            lambda fmt: [t for L in self.layers
+                         for t in (L.attn_norm, L.ffn_norm, L.post_attn_norm, L.post_ffn_norm, *L.qk_norms(fmt))],
+            [0 if L.sliding else 1 for L in self.layers],
+            [cfg.sliding_window if L.sliding else 0 for L in self.layers], PRE_GEGLU, cfg.rms_norm_eps, H, Hkv,
+            cfg.attn_scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
@@ -129,6 +137,9 @@ class Gemma3ForCausalLM:
         self.rope_local.ensure(top)
         self.rope_global.ensure(top)
         fmt = format_of(kv_caches[0][0], cfg.head_dim)   # the cache's row format
+        tables = [(self.rope_local.cos, self.rope_local.sin), (self.rope_global.cos, self.rope_global.sin)]
+        if self.stack is not None and self.stack.run(h, positions, meta, kv_caches, tables, fmt):
+            return rms_norm(h, self.norm, eps)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             rope = self.rope_local if layer.sliding else self.rope_global
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]

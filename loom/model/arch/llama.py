@@ -20,6 +20,7 @@ from loom.model.layers.attention import AttentionMetadata, paged_attention, page
 from loom.model.layers.linear import PRE_RMSNORM, PRE_SWIGLU, LinearBackend, fused_kernels, make_linear, output_logits
 from loom.model.layers.norm import rms_norm
 from loom.model.layers.rope import RotaryEmbedding, apply_rope
+from loom.model.layers.stack import DecodeStack
 from loom.model.weights import GGUFWeights, LinearWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([slots, Hkv, D], [slots, Hkv, D]) for one layer
@@ -64,6 +65,11 @@ class LlamaForCausalLM:
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
+        n = cfg.num_layers
+        self.stack = None if self.kern is None else DecodeStack(   # the layers in one call (decode batches)
+            self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in self.layers],
+            lambda fmt: [t for L in self.layers for t in (L.attn_norm, L.ffn_norm)], [0] * n, [0] * n,
+            PRE_SWIGLU, cfg.rms_norm_eps, H, Hkv, cfg.attn_scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache]) -> torch.Tensor:
@@ -90,7 +96,10 @@ class LlamaForCausalLM:
         H, Hkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids]                                          # [T, D]
         self.rope.ensure(int(positions.max()) + 1 if positions.numel() else 0)
-        fmt = format_of(kv_caches[0][0], cfg.head_dim).kernel_id   # the cache's row format
+        fmt = format_of(kv_caches[0][0], cfg.head_dim)   # the cache's row format
+        if self.stack is not None and self.stack.run(h, positions, meta, kv_caches, [(self.rope.cos, self.rope.sin)], fmt):
+            return rms_norm(h, self.norm, eps)
+        fmt = fmt.kernel_id
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,

@@ -40,6 +40,8 @@ def truncated(model, num_layers: int):
                                   f"{model.cfg.num_layers} layers")
     small = copy.copy(model)
     small.layers = model.layers[:num_layers]
+    if getattr(model, "stack", None) is not None:
+        small.stack = model.stack.first(num_layers)
     small.cfg = dataclasses.replace(model.cfg, num_layers=num_layers)
     return small
 
