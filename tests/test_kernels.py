@@ -841,8 +841,8 @@ def _stack_outputs(model, tok, path: Path, case: str) -> tuple[list, int]:
     outs = LLM.from_engine(engine).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     if model.stack is not None:
         del model.stack.run
-    rows = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs or []])
-            for o in outs]
+    rows = [(c.token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in c.logprobs or []])
+            for c in (o.outputs[0] for o in outs)]
     return rows, sum(taken)
 
 
@@ -854,7 +854,7 @@ def test_decode_stack_gives_the_python_loops_outputs(tmp_path: Path, arch, case)
     loop's kernel calls with its arguments in its order: the same logits, bit for bit, for both
     architectures (Gemma 3's sliding-window and global layers, q/k norms, post norms), with a
     quantized cache (its smoothed q/k norms), draft chains verified as kernel rows, and evicted
-    entries (the windowed layers' first keys). Prefill chunks take the Python loop."""
+    entries (the windowed layers' first keys)."""
     from loom.loader.gguf import GGUFFile
     from loom.loader.tokenizer import Tokenizer
     from loom.model.build import load_model

@@ -1,9 +1,10 @@
 // A decoder stack's layers in one call (decode_layers): the fused forward of
 // loom/model/arch/llama.py and gemma3.py for a batch whose every token is a row of attn_decode
-// (decode steps and draft chains: AttentionMetadata.kernel_rows without rest). The same kernel
-// calls with the same arguments in the same order, made from here instead of from Python, so
-// the interpreter, argument conversion and output allocation around each of a layer's 6-7 calls
-// (~5 us each: ~0.9 ms of a 6 ms SmolLM2 decode step) are paid once per step.
+// (decode steps, prefill chunks, draft chains, small trees: AttentionMetadata.kernel_rows
+// without rest). The same kernel calls with the same arguments in the same order, made from
+// here instead of from Python, so the interpreter, argument conversion and output allocation
+// around each of a layer's 6-7 calls are paid once per step (~0.4 ms of a 6.5 ms SmolLM2 decode
+// step on Zen 2).
 // Included by loom_kernels_host.h after the functions it calls.
 #pragma once
 

@@ -97,7 +97,8 @@ class LlamaForCausalLM:
         h = self.embed[input_ids]                                          # [T, D]
         self.rope.ensure(int(positions.max()) + 1 if positions.numel() else 0)
         fmt = format_of(kv_caches[0][0], cfg.head_dim)   # the cache's row format
-        if self.stack is not None and self.stack.run(h, positions, meta, kv_caches, [(self.rope.cos, self.rope.sin)], fmt):
+        tables = [(self.rope.cos, self.rope.sin)]
+        if self.stack is not None and self.stack.run(h, positions, meta, kv_caches, tables, fmt):
             return rms_norm(h, self.norm, eps)
         fmt = fmt.kernel_id
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

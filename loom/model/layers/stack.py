@@ -1,13 +1,14 @@
 """A decoder stack's layers in one kernel call, for the batches that allow it.
 
 The fused forward of a model on loom's kernels makes 6-7 kernel calls per layer; around each,
-the interpreter, the argument conversion and the output's allocation cost ~5 us, ~0.9 ms of a
-6 ms SmolLM2 decode step. `kern.decode_layers` (loom/kernels/csrc/loom_kernels_stack.h) makes
-the same calls with the same arguments in the same order from C++, so the hidden states are
-the same bits. It serves a batch whose every token is a row of the attention kernel (decode
-steps, draft chains, small trees: `AttentionMetadata.kernel_rows` leaves nothing to the
-prefill path) and that records no queries for KV eviction; other batches take the model's
-Python loop.
+the interpreter, the argument conversion and the output's allocation cost a few microseconds,
+~0.4 ms of a 6.5 ms SmolLM2 decode step on Zen 2 (`benchmarks/stack_ab.py`).
+`kern.decode_layers` (loom/kernels/csrc/loom_kernels_stack.h) makes the same calls with the
+same arguments in the same order from C++, so the hidden states are the same bits. It serves
+a batch whose every token is a row of the attention kernel (decode steps, prefill chunks,
+draft chains, trees of up to 64 nodes: `AttentionMetadata.kernel_rows` leaves nothing to
+torch's attention) and that records no queries for KV eviction (SnapKV's observation
+windows); other batches take the model's Python loop.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class DecodeStack:
         cut.rope_of, cut.windows = self.rope_of[:n], self.windows[:n]
         return cut
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches, tables: list[tuple[torch.Tensor, torch.Tensor]],
-            fmt: KVFormat) -> bool:
+    def run(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
+            tables: list[tuple[torch.Tensor, torch.Tensor]], fmt: KVFormat) -> bool:
         """h [T, D] through every layer in place, where the batch allows (see the module);
         False (h untouched) where it does not. `tables`: the (cos, sin) RoPE tables rope_of indexes."""
         if meta.observe_rows is not None:
