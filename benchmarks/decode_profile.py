@@ -58,6 +58,7 @@ def main() -> None:
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(layer, name, Timed(getattr(layer, name), totals, name))
     model.kern = TimedKernels(model.kern, totals)
+    model.stack = None   # the layers' calls one by one (decode_layers would make them all in one)
     forward, logits = model.forward, model.compute_logits
     model.forward = Timed(forward, totals, "forward (wall)")
     model.compute_logits = Timed(logits, totals, "lm_head + logits")

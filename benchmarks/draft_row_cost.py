@@ -62,6 +62,7 @@ def main() -> None:
     from loom.engine.engine import Engine
 
     engine = Engine(EngineConfig.create(args.model, threads=args.threads))
+    engine.runner.model.stack = None   # the layers' calls one by one, each timed (not in one decode_layers)
     runner, vocab = engine.runner, engine.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     nodes = [int(k) for k in args.nodes.split(",")]

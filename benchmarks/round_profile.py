@@ -45,6 +45,7 @@ def main() -> None:
     from loom.engine.engine import Engine
 
     engine = Engine(EngineConfig.create(args.model, threads=args.threads, enable_prefix_caching=False))
+    engine.runner.model.stack = None   # the layers' calls one by one, each timed (not in one decode_layers)
     batch = prompts(engine.tokenizer, args.requests, args.prompts)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     print(f"{args.model}, kernels {kernels.variant()}, {args.requests} requests, "

@@ -95,7 +95,8 @@ class Gemma3ForCausalLM:
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
-        self.stack = None if self.kern is None else DecodeStack(   # the layers in one call (decode batches)
+        # the layers in one call where a batch is all attention-kernel rows (loom.model.layers.stack)
+        self.stack = None if self.kern is None else DecodeStack(
             self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in self.layers],
             lambda fmt: [t for L in self.layers
                          for t in (L.attn_norm, L.ffn_norm, L.post_attn_norm, L.post_ffn_norm, *L.qk_norms(fmt))],

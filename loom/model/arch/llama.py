@@ -66,7 +66,8 @@ class LlamaForCausalLM:
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
         n = cfg.num_layers
-        self.stack = None if self.kern is None else DecodeStack(   # the layers in one call (decode batches)
+        # the layers in one call where a batch is all attention-kernel rows (loom.model.layers.stack)
+        self.stack = None if self.kern is None else DecodeStack(
             self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in self.layers],
             lambda fmt: [t for L in self.layers for t in (L.attn_norm, L.ffn_norm)], [0] * n, [0] * n,
             PRE_SWIGLU, cfg.rms_norm_eps, H, Hkv, cfg.attn_scale)
