@@ -101,11 +101,10 @@ class LlamaForCausalLM:
         tables = [(self.rope.cos, self.rope.sin)]
         if self.stack is not None and self.stack.run(h, positions, meta, kv_caches, tables, fmt):
             return rms_norm(h, self.norm, eps)
-        fmt = fmt.kernel_id
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.qkv(h, PRE_RMSNORM, layer.attn_norm, eps)          # [T, (H + 2Hkv) * Dh]
             kern.rope_store(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
-                            meta.slot_mapping, H, Hkv, None, None, 0.0, fmt)
+                            meta.slot_mapping, H, Hkv, None, None, 0.0, fmt.kernel_id)
             o = paged_attention_stored(qkv, H, k_cache, v_cache, meta, cfg.attn_scale, None, kern)
             layer.o(o, out=h, accumulate=True)
             gate_up = layer.gate_up(h, PRE_RMSNORM, layer.ffn_norm, eps)

@@ -38,9 +38,13 @@ class DecodeStack:
 
     def first(self, n: int) -> "DecodeStack":
         """The stack of the first n layers (a draft model cut from its target)."""
-        cut, layers = copy.copy(self), len(self.rope_of)
-        cut.weights, cut.dims = self.weights[:4 * n], self.dims[:20 * n]
-        cut._norms = lambda fmt: (lambda flat: flat[:len(flat) // layers * n])(self._norms(fmt))
+        cut, full, layers = copy.copy(self), self._norms, len(self.rope_of)
+
+        def norms(fmt: KVFormat) -> list[torch.Tensor]:
+            flat = full(fmt)
+            return flat[:len(flat) // layers * n]
+
+        cut._norms, cut.weights, cut.dims = norms, self.weights[:4 * n], self.dims[:20 * n]
         cut.rope_of, cut.windows = self.rope_of[:n], self.windows[:n]
         return cut
 
