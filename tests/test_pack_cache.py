@@ -18,7 +18,7 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 import tiny_gguf
-from loom import kernels
+from loom import hugepages, kernels
 from loom.loader.gguf import GGUFFile
 from loom.model import pack_cache, weights
 from loom.model.build import load_model
@@ -69,22 +69,60 @@ def _count_packing(monkeypatch) -> list[int]:
     return calls
 
 
-def _mapped_from(t: torch.Tensor) -> str | None:
-    """The file whose mapping holds tensor `t`'s data (Linux), or None for anonymous memory."""
+def _mapping(t: torch.Tensor) -> tuple[str | None, dict[str, str]]:
+    """The mapping that holds tensor `t`'s data (Linux): its file (None for anonymous memory)
+    and its /proc/self/smaps fields."""
     addr = t.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= addr < hi:
-            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
-    return None
+    found, fields = None, {}
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if "-" in head[0] and len(head) >= 5:   # a mapping's first line: range perms offset dev inode [path]
+            if found is not None:
+                break
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            if lo <= addr < hi:
+                found = head[5] if len(head) == 6 and head[5].startswith("/") else ""
+                fields["range"] = head[0]
+        elif found is not None and ":" in line:
+            key, value = line.split(":", 1)
+            fields[key] = value.strip()
+    assert found is not None, "no mapping holds the tensor"
+    return found or None, fields
+
+
+def _in_one_huge_page_buffer(model) -> bool:
+    """Every packed weight of `model` in one anonymous mapping advised as huge pages (`hg`)."""
+    maps = [_mapping(w) for w in _packed_weights(model)]
+    return (all(where is None and "hg" in f["VmFlags"].split() for where, f in maps)
+            and len({f["range"] for _, f in maps}) == 1)
+
+
+def _thp_possible() -> bool:
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def test_huge_page_buffer():
+    buf = hugepages.buffer(5 << 20)
+    assert buf.nbytes == 5 << 20 and buf.ctypes.data % hugepages.HUGE_PAGE == 0 and not buf.any()
+    buf[:] = 7
+    t = torch.from_numpy(buf)
+    where, smaps = _mapping(t)
+    assert where is None and int(smaps["Size"].split()[0]) >= 4 << 10 and "hg" in smaps["VmFlags"].split()
+    if _thp_possible() and "THPeligible" in smaps:
+        assert smaps["THPeligible"] == "1", smaps   # advised: the kernel may back it with 2 MB pages
+    assert int(t.sum()) == 7 * (5 << 20)
 
 
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "loom" and r.levelno >= logging.WARNING]
 
 
-def test_warm_load_maps_the_cache_and_packs_nothing(cache_dir, tiny_path, monkeypatch, caplog):
+@pytest.mark.parametrize("huge", [True, False], ids=["hugepages", "file-mapping"])
+def test_warm_load_reads_the_cache_and_packs_nothing(cache_dir, tiny_path, huge, monkeypatch, caplog):
+    monkeypatch.setenv("LOOM_HUGEPAGES", "1" if huge else "0")
     packs = _count_packing(monkeypatch)
     cold = load_model(tiny_path, linear="quant")
     assert packs[0] > 0 and cold.kern is not None
@@ -95,8 +133,11 @@ def test_warm_load_maps_the_cache_and_packs_nothing(cache_dir, tiny_path, monkey
     assert packs[0] == 0
     for a, b in zip(_packed_weights(cold), _packed_weights(warm), strict=True):
         assert torch.equal(a, b)
-        # both hold the weights as pages of the cache file (the cold load maps what it wrote)
-        assert _mapped_from(a) == _mapped_from(b) == str(path)
+        # both hold the weights as the cache file's data (the cold load reads what it wrote):
+        # in anonymous memory (a huge-page buffer: test_huge_page_buffer), or as the file's pages
+        assert _mapping(a)[0] == _mapping(b)[0] == (None if huge else str(path))
+    if huge:
+        assert _in_one_huge_page_buffer(cold) and _in_one_huge_page_buffer(warm)
     assert _warnings(caplog) == []
     # the sha256 of the file is remembered: the next load does not read the whole file again
     assert list((cache_dir / "identity").glob("*.json"))
@@ -169,6 +210,7 @@ def test_unwritable_cache_directory_runs_without_it_and_says_so_once(cache_dir, 
     first = load_model(tiny_llama_path, linear="quant")
     second = load_model(tiny_llama_path, linear="quant")
     assert first.kern is not None and second.kern is not None
+    assert _in_one_huge_page_buffer(first) and _in_one_huge_page_buffer(second)   # gathered as a warm load holds them
     [line] = _warnings(caplog)
     assert line.startswith("packed-weight cache unavailable (cannot write") and "loom runs without it" in line
 
@@ -208,7 +250,8 @@ def test_concurrent_loaders_leave_one_valid_file(cache_dir, tiny_gemma3_path, ca
 
 def test_cache_off_by_environment(cache_dir, tiny_llama_path, monkeypatch):
     monkeypatch.setenv("LOOM_PACK_CACHE", "0")
-    assert load_model(tiny_llama_path, linear="quant").kern is not None
+    model = load_model(tiny_llama_path, linear="quant")
+    assert model.kern is not None and _in_one_huge_page_buffer(model)
     assert not (cache_dir / "packed").exists()
 
 
@@ -226,7 +269,7 @@ def test_cache_holds_every_projection(cache_dir, tiny_llama_path):
 
 
 def _resident_bytes(path: Path) -> int:
-    """Resident bytes of this process's mappings of `path` (/proc/self/smaps, as _mapped_from reads /proc)."""
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps, as _mapping reads it)."""
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()

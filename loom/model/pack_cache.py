@@ -1,5 +1,5 @@
 """The packed-weight cache: the kernels' layout of a model's projections, kept on disk and
-memory-mapped on the next load instead of being repacked from the GGUF file.
+read on the next load instead of being repacked from the GGUF file.
 
 One file per GGUF file (by content) and kernel variant, ``$LOOM_CACHE/packed/<sha256[:24]>-<variant>.pack``::
 
@@ -7,6 +7,10 @@ One file per GGUF file (by content) and kernel variant, ``$LOOM_CACHE/packed/<sh
     index: UTF-8 JSON {"key": {...}, "entries": {name: {offset, nbytes, shape, n, k, bits, scales16, zero, crc}}}
     zero padding to a 4096-byte boundary
     data: each entry's packed uint8 stream at a 64-byte aligned offset
+
+A load reads the data section into one huge-page buffer (loom/hugepages.py: a decode step
+streams every weight, and 2 MB pages spare it a TLB miss per 4 KB); `LOOM_HUGEPAGES=0`
+memory-maps it instead.
 
 The key names everything the bytes depend on: the GGUF file's sha256, the kernel variant, loom's
 version, the file format (PACK_FORMAT, bumped when this module's layout changes) and a digest of
@@ -37,6 +41,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from loom import hugepages
 from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
 from loom.loader.gguf import GGUFFile
 from loom.model.quant import PackedCodes
@@ -77,7 +82,7 @@ def cache_key(f: GGUFFile, variant: str, on_hash: Callable[[int], None] | None =
 
 
 def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
-    """The entries of a valid cache file for `key`, memory-mapped; raises BadCacheFile."""
+    """The entries of a valid cache file for `key`; raises BadCacheFile."""
     size = path.stat().st_size
     if size < _PREFIX.size:
         raise BadCacheFile(f"truncated ({size} bytes)")
@@ -98,7 +103,7 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
         was = index.get("key") or {}
         diff = ", ".join(f"{k} {was.get(k)!r} -> {v!r}" for k, v in key.items() if was.get(k) != v)
         raise BadCacheFile(f"stale ({diff})")
-    data = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start, shape=(data_len,)) if data_len else None
+    data = _read_data(path, data_start, data_len) if data_len else None
     out = {}
     for name, e in index["entries"].items():
         off, nbytes = int(e["offset"]), int(e["nbytes"])
@@ -113,6 +118,23 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
         out[name] = PackedCodes(torch.from_numpy(buf).view(shape), int(e["n"]), int(e["k"]), int(e["bits"]),
                                 bool(e["scales16"]), int(e["zero"]))
     return out
+
+
+def _read_data(path: Path, start: int, nbytes: int) -> np.ndarray:
+    """The file's data section: read into a huge-page buffer (loom/hugepages.py), or mapped
+    from the file where that is turned off."""
+    if not hugepages.enabled():
+        return np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(nbytes,))
+    data = hugepages.buffer(nbytes)
+    view, got = memoryview(data), 0
+    with path.open("rb", buffering=0) as fh:
+        fh.seek(start)
+        while got < nbytes:
+            n = fh.readinto(view[got:])
+            if not n:
+                raise BadCacheFile(f"truncated while reading ({start + got} bytes)")
+            got += n
+    return data
 
 
 def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -> None:
@@ -171,19 +193,37 @@ class PackCache:
 
     def save(self) -> None:
         """Writes every entry (cached and new) when anything new was packed."""
-        if not self.new or self.path is None:
+        if not self.new:
+            return
+        if self.path is None:
+            self._gather()
             return
         try:
             atomic_write(self.path, lambda out: write_pack_file(out, self.key, self.entries))
         except CacheWriteError as e:
             _say_once(f"packed-weight cache unavailable ({e.strerror}): loom runs without it and packs "
                       f"the weights at every load")
+            self._gather()
             return
         self._map_written()
 
+    def _gather(self) -> None:
+        """Without a cache file: moves the packed forms into one huge-page buffer, as a warm
+        load holds them (loom/hugepages.py), and frees the packing's copies."""
+        if not hugepages.enabled():
+            return
+        sizes = {name: -(-p.w.numel() // _ENTRY_ALIGN) * _ENTRY_ALIGN for name, p in self.entries.items()}
+        data, offset = hugepages.buffer(sum(sizes.values())), 0
+        for name, p in self.entries.items():
+            w = torch.from_numpy(data[offset:offset + p.w.numel()]).view(p.w.shape)
+            w.copy_(p.w)
+            p.w = w
+            offset += sizes[name]
+        _trim_heap()
+
     def _map_written(self) -> None:
         """Points the packed forms at the file just written: the process then holds the weights
-        as shared file pages, as after a warm load, and the packing's own copies are freed."""
+        as after a warm load (in huge pages), and the packing's own copies are freed."""
         try:
             mapped = read_pack_file(self.path, self.key)
         except (BadCacheFile, OSError, ValueError, KeyError, TypeError):
