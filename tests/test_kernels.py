@@ -225,6 +225,67 @@ def test_packing_by_row_range_is_packing_the_whole(bits, zero, fp16_scales):
     assert torch.equal(got.w, pack_codes(mixed).w)
 
 
+def _q5_0_codes(n: int, k: int, seed: int) -> QuantCodes:
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+    return QuantCodes(torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g), a, -16 * a, 8)
+
+
+def test_five_bit_layout_holds_q5_0s_codes():
+    """Q5_0's codes packed in five bits: the nibbles of the 4-bit layout, then a plane whose byte
+    (row, j) holds in bit c the fifth bit of code(4c + j); the scales as in the byte layout."""
+    codes = _q5_0_codes(40, 96, seed=3)
+    p5, p8 = pack_codes(codes, five_bit=True), pack_codes(codes, five_bit=False)
+    assert (p5.bits, p5.zero, p8.bits, p8.zero) == (5, 16, 8, 16)
+    b5 = p5.w.view(-1, 3, 320 + 32)
+    b8 = p8.w.view(-1, 3, 512 + 32)
+    assert b5.shape[0] == b8.shape[0] == 3 and torch.equal(b5[..., 320:], b8[..., 512:])   # the scales
+    q = torch.cat([codes.q, codes.q.new_zeros(8, 96)]).view(3, 16, 3, 32)   # block, row, group, k
+    for blk, row, grp, kk in [(0, 0, 0, 0), (1, 5, 2, 13), (2, 7, 1, 31), (2, 15, 0, 22)]:
+        c, j = divmod(kk, 4)
+        nibble = b5[blk, grp, (c // 2) * 64 + row * 4 + j]
+        low = int(nibble >> 4) if c % 2 else int(nibble & 15)
+        fifth = (int(b5[blk, grp, 256 + row * 4 + j]) >> c) & 1
+        assert low | fifth << 4 == int(q[blk, row, grp, kk])
+        assert int(b8[blk, grp, c * 64 + row * 4 + j]) == int(q[blk, row, grp, kk])
+    with pytest.raises(ValueError, match="needs codes below 32"):   # not Q5_0's codes
+        bad = QuantCodes(codes.q | 32, codes.a, codes.b, 8)
+        pack_codes(bad, zero=16, five_bit=True)
+    assert pack_codes(_random_codes(32, 64, 8, seed=1, fp16_scales=True, zero=128), five_bit=True).bits == 8
+
+
+@needs_kernels
+def test_five_bit_codes_give_the_byte_layouts_outputs_bit_for_bit():
+    """Both layouts of a Q5_0 matrix give the same outputs, bit for bit, at every batch: a tile or
+    two of rows reads the five bits directly; more rows widen each run of columns to bytes first
+    (the 8-bit tiles) - the same integer products either way. Pre-ops and the output layer too."""
+    kern = kernels.load()
+    for n, k, m in [(16, 32, 1), (40, 64, 3), (200, 640, 4), (200, 640, 5), (33, 128, 17), (576, 576, 40),
+                    (1000, 640, 9)]:
+        codes = _q5_0_codes(n, k, seed=n + m)
+        p5, p8 = pack_codes(codes, five_bit=True), pack_codes(codes, five_bit=False)
+        assert p5.w.numel() * 544 == p8.w.numel() * 352
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(7 * m + k)) * 2
+        y5, y8 = (kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, 16)
+                  for p in (p5, p8))
+        assert torch.equal(y5, y8), (n, k, m)
+        ref = _reference(codes, x)
+        torch.testing.assert_close(y5.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        # each row alone: the batch changes nothing
+        assert torch.equal(kern.qgemm(x[-1:], p5.w, n, k, 5, p5.scales16, PRE_NONE, None, 0.0, None, False, 16), y5[-1:])
+        gu = torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m))
+        h5, h8 = (kern.qgemm(gu, p.w, p.n, p.k, p.bits, p.scales16, PRE_GEGLU, None, 0.0, y5.clone(), True, 16)
+                  for p in (p5, p8))
+        assert torch.equal(h5, h8)
+        # the output layer's top logits again in float32 from the five bits
+        l5, l8 = y5.clone(), y8.clone()
+        for p, lg in ((p5, l5), (p8, l8)):
+            kern.refine_logits(lg, x, p.w, p.n, p.k, p.bits, p.scales16, 16, 1e9, n, None)
+        assert torch.equal(l5, l8)
+    with pytest.raises(RuntimeError, match="16 for 5-bit ones"):
+        kern.qgemm(x, p5.w, p5.n, p5.k, 5, p5.scales16, PRE_NONE, None, 0.0, None, False, 0)
+
+
 @pytest.mark.skipif(kernels.supported_variants() != ["avx512", "avx2"], reason="needs a CPU that runs both variants")
 @pytest.mark.parametrize("bits,zero", [(4, 8), (8, 16)])
 def test_variants_agree_bitwise_on_integer_zero_points(bits, zero):
@@ -235,11 +296,12 @@ def test_variants_agree_bitwise_on_integer_zero_points(bits, zero):
         g = torch.Generator().manual_seed(n + m)
         a = (torch.rand(n, k // 32, generator=g) * 0.05).half().float()
         codes = QuantCodes(torch.randint(0, 2 * zero, (n, k), dtype=torch.uint8, generator=g), a, -zero * a, bits)
-        p = pack_codes(codes)
         x = torch.randn(m, k, generator=g) * 3
-        y = [kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero)
-             for kern in (avx512, avx2)]
-        assert torch.equal(y[0], y[1])
+        for five_bit in ((False, True) if zero == 16 else (False,)):   # Q5_0 in bytes and in five bits
+            p = pack_codes(codes, five_bit=five_bit)
+            y = [kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero)
+                 for kern in (avx512, avx2)]
+            assert torch.equal(y[0], y[1])
 
 
 @needs_kernels

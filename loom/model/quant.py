@@ -9,7 +9,9 @@ Every form is per 32-element group affine: w = a * q + b, q an unsigned code.
     Q5_1:  w = d * q + m              -> 8-bit codes 0..31, a = d, b = m
     Q8_0:  w = d * s, s in -128..127  -> 8-bit codes s + 128, a = d, b = -128 d
 
-These are exact. Other types (Q6_K, Q5_K, F16, ...) are requantized from their float32
+These are exact. The kernels' layout (PackedCodes) holds 4-bit codes in nibbles and 8-bit ones
+in bytes; Q5_0's 8-bit codes (0..31, zero point 16) in five bits where five_bit_default() says
+so: their low four bits as nibbles, then a plane of their fifth bits. Other types (Q6_K, Q5_K, F16, ...) are requantized from their float32
 values to 8-bit codes per group (min/max affine), far finer than the source's own step.
 torch's int4 kernel (the fallback path) wants `(q - 8) * scale + zero`: scale = a, zero = b + 8 a.
 """
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import Q4_K
+
+from loom import kernels
 
 GROUP = 32
 ROWS = 16  # output rows per block of the packed kernel layout
@@ -142,6 +146,7 @@ ZERO_POINTS = {4: (8,), 8: (16, 128)}
 class PackedCodes:
     """The kernel layout (see loom/kernels/csrc): one uint8 stream of blocks, each 16 output
     rows x one group: [codes][a x 16][b x 16], a/b float16 when that is exact, else float32.
+    bits: 4, 5 (Q5_0's codes: 256 bytes of their low nibbles, 64 of their fifth bits) or 8.
     zero: Z where every group's offset is b = -Z a (an integer zero point, which the kernels
     subtract in integer arithmetic; the blocks then hold no b: [codes][a x 16]), else 0."""
 
@@ -167,10 +172,22 @@ def _codes_below(c: QuantCodes, bound: int) -> bool:
     return bound >= 2 ** c.bits or int(c.q.max()) < bound
 
 
-def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) -> PackedCodes:
+def five_bit_default() -> bool:
+    """Whether Q5_0's codes (0..31, zero point 16) are packed in five bits (else in bytes) when
+    the caller does not say: where the loaded kernels are the AVX2 variant. A decode step reads
+    its weights from memory, and Gemma 3's layers, most of them Q5_0, are 89 MB a step in bytes
+    and 66 MB in five bits (docs/benchmarks.md, "Q5_0 in five bits"); the AVX-512 variant, whose
+    GEMM takes both layouts, keeps the bytes until measured there."""
+    return kernels.variant() == "avx2"
+
+
+def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None,
+               five_bit: bool | None = None) -> PackedCodes:
     """The kernel layout of `c`, built `chunk_blocks` row blocks at a time into one output (a
     262k-row matrix never has a second full-size copy in flight). zero: the layout's zero point,
-    by default `zero_point(c)`; 0 keeps every offset (the affine layout of any matrix)."""
+    by default `zero_point(c)`; 0 keeps every offset (the affine layout of any matrix).
+    five_bit: 8-bit codes with zero point 16 (Q5_0's) packed in five bits; by default
+    `five_bit_default()`."""
     n, k = c.q.shape
     zero = zero_point(c) if zero is None else zero
     if zero and not torch.equal(c.b, c.a * -zero):
@@ -178,30 +195,33 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None) 
     if zero and not _codes_below(c, 2 * zero):
         raise ValueError(f"zero point {zero} needs codes below {2 * zero}")
     stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
-    layout = _Layout(c.bits, zero, torch.float16 if all(_fits_half(t) for t in stored) else torch.float32)
+    five = c.bits == 8 and zero == 16 and (five_bit_default() if five_bit is None else five_bit)
+    layout = _Layout(5 if five else c.bits, zero, torch.float16 if all(_fits_half(t) for t in stored) else torch.float32)
     w = layout.empty(n, k)
     for r0 in range(0, n, chunk_blocks * ROWS):
         r1 = min(r0 + chunk_blocks * ROWS, n)
         layout.pack(w, r0, r1, QuantCodes(c.q[r0:r1], c.a[r0:r1], c.b[r0:r1], c.bits))
-    return PackedCodes(w, n, k, c.bits, layout.dt == torch.float16, zero)
+    return PackedCodes(w, n, k, layout.bits, layout.dt == torch.float16, zero)
 
 
-def pack_rows(n: int, k: int, rows: Callable[[int, int], QuantCodes], chunk_rows: int = ROWS * 512) -> PackedCodes:
+def pack_rows(n: int, k: int, rows: Callable[[int, int], QuantCodes], chunk_rows: int = ROWS * 512,
+              five_bit: bool | None = None) -> PackedCodes:
     """`pack_codes` of an [n, k] matrix whose codes come by row range (`rows(r0, r1)`: the codes
     of rows r0 .. r1 - 1), so that no full-size copy of its codes is ever made. The first range
     chooses the layout (zero point, float16 scales); should a later range not fit it, the layout
     is chosen over every range and the packing starts again. The result equals pack_codes of the
     whole matrix's codes."""
     assert chunk_rows % ROWS == 0
+    five_bit = five_bit_default() if five_bit is None else five_bit
     spans = [(r0, min(r0 + chunk_rows, n)) for r0 in range(0, n, chunk_rows)]
     layout = w = None
     for r0, r1 in spans:
         c = rows(r0, r1)
         if layout is None:
-            layout = _Layout.of(c)
+            layout = _Layout.of(c, five_bit)
             w = layout.empty(n, k)
         elif not layout.fits(c):
-            layout = _Layout.over(rows(*span) for span in spans)
+            layout = _Layout.over((rows(*span) for span in spans), five_bit)
             w = layout.empty(n, k)
             for s0, s1 in spans:
                 layout.pack(w, s0, s1, rows(s0, s1))
@@ -219,7 +239,7 @@ class _Layout:
     dt: torch.dtype
 
     @staticmethod
-    def over(parts) -> "_Layout":
+    def over(parts, five_bit: bool = False) -> "_Layout":
         bits, zeros, a16, b16 = None, None, True, True
         for c in parts:
             if bits is not None and c.bits != bits:
@@ -228,15 +248,17 @@ class _Layout:
             zeros = z if zeros is None else tuple(x for x in zeros if x in z)
             a16, b16 = a16 and _fits_half(c.a), b16 and _fits_half(c.b)
         zero = next(iter(zeros), 0)
-        return _Layout(bits, zero, torch.float16 if a16 and (zero or b16) else torch.float32)
+        five = five_bit and bits == 8 and zero == 16
+        return _Layout(5 if five else bits, zero, torch.float16 if a16 and (zero or b16) else torch.float32)
 
     @staticmethod
-    def of(c: QuantCodes) -> "_Layout":
-        return _Layout.over([c])
+    def of(c: QuantCodes, five_bit: bool = False) -> "_Layout":
+        return _Layout.over([c], five_bit)
 
     def fits(self, c: QuantCodes) -> bool:
         """Whether rows `c` can be packed in this layout as pack_codes would pack them."""
-        return (c.bits == self.bits and (not self.zero or self.zero in _zero_points(c))
+        return ((c.bits == self.bits or (self.bits, c.bits) == (5, 8))   # five bits: 8-bit codes below 32
+                and (not self.zero or self.zero in _zero_points(c))
                 and (self.dt == torch.float32 or all(_fits_half(t) for t in self.stored(c))))
 
     def stored(self, c: QuantCodes) -> list[torch.Tensor]:
@@ -270,10 +292,15 @@ def _pack_blocks(out: torch.Tensor, q: torch.Tensor, scales: list[torch.Tensor],
         q = torch.cat([q, q.new_zeros(pad, k)])
         scales = [torch.cat([t, t.new_zeros(pad, g)]) for t in scales]
     nb = q.shape[0] // ROWS
-    if bits == 4:
+    if bits in (4, 5):
         # k within a group = 8 c + 4 h + j: byte (c, row, j) = code(8c + j) | code(8c + 4 + j) << 4
-        v = q.view(nb, ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)      # nb, g, c, row, j, h
-        out[..., :code_bytes].view(nb, g, 4, ROWS, 4).copy_(v[..., 0] | (v[..., 1] << 4))
+        low = q & 0x0F
+        v = low.view(nb, ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)      # nb, g, c, row, j, h
+        out[..., :256].view(nb, g, 4, ROWS, 4).copy_(v[..., 0] | (v[..., 1] << 4))
+        if bits == 5:   # the plane: byte (row, j), bit c = the fifth bit of code(4c + j)
+            fifth = ((q >> 4) & 1).view(nb, ROWS, g, 8, 4).permute(0, 2, 1, 4, 3)   # nb, g, row, j, c
+            weights = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8)
+            out[..., 256:320].view(nb, g, ROWS, 4).copy_((fifth * weights).sum(-1, dtype=torch.uint8))
     else:   # bytes (c, row, j) = code(4c + j) of the row: 4-byte runs, moved as int32
         runs = q.contiguous().view(torch.int32).view(nb, ROWS, g, 8).permute(0, 2, 3, 1)   # nb, g, c, row
         out[..., :code_bytes].view(torch.int32).view(nb, g, 8, ROWS).copy_(runs)

@@ -24,12 +24,16 @@ struct Isa : Vec512 {
   template <int BITS, int MT, int Z>
   LOOM_INLINE static void dots(const uint8_t* wp, int, const int32_t* xp, const int16_t*, const int32_t* xs, I* dot) {
     I code[8];
-    if constexpr (BITS == 4) {
+    if constexpr (BITS == 4 || BITS == 5) {
       const I low = _mm512_set1_epi8(0x0F);
       for (int c = 0; c < 4; ++c) {
         const I v = _mm512_loadu_si512(wp + c * 64);
         code[2 * c] = _mm512_and_si512(v, low);
         code[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if constexpr (BITS == 5) {   // the fifth bits from their plane (fifth_bit)
+        const I plane = _mm512_loadu_si512(wp + 256);
+        for (int c = 0; c < 8; ++c) code[c] = _mm512_or_si512(code[c], fifth_bit(plane, c));
       }
     } else {
       for (int c = 0; c < 8; ++c) code[c] = _mm512_loadu_si512(wp + c * 64);

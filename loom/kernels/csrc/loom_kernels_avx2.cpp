@@ -6,8 +6,10 @@
 //
 //   4-bit codes  VPMADDUBSW (u8 x s8 -> s16 pair sums) on the nibbles directly; the int16 sums
 //                over a group stay below 8 * 2 * 15 * 127 = 30480, then VPMADDWD to int32.
-//   5-bit codes  (Q5_0's 0..31, zero point 16, in bytes) like the nibbles: VPMADDUBSW on the
-//                codes, four chunks summed in int16 (< 4 * 2 * 31 * 128 = 31744), VPMADDWD each half.
+//   5-bit codes  (Q5_0's 0..31, zero point 16, in five bits or in bytes) like the nibbles:
+//                VPMADDUBSW on the codes, four chunks summed in int16 (< 4 * 2 * 31 * 128 =
+//                31744), VPMADDWD each half. In five bits, the fifth bits come from a plane of
+//                32 bytes per half (fifth_bit: a shift, a mask and an OR per code vector).
 //   8-bit codes  q - 128 = c as signed bytes, and <q, x> = <|c|, sign(x, c)> + 128 sum(x):
 //                one VPMADDUBSW on |c| <= 128 with c's sign moved onto the activation (pair
 //                sums <= 2 * 128 * 127 = 32512, no saturation), VPMADDWD to int32 per chunk;
@@ -32,7 +34,7 @@ struct Isa : Vec256 {
   // slower on Zen 4 (the GEMM alone at M = 1, benchmarks/gemm_rate.py: 12-18%), where 8 and 32
   // rows gained 2-8%. 5-bit codes (zero point 16) take it: their dot products need no sign moves.
   template <int BITS, int ZL>
-  static constexpr bool zero_path() { return BITS == 4 || ZL == 16; }
+  static constexpr bool zero_path() { return BITS == 4 || ZL == 16; }   // 5-bit codes: ZL is 16
 
   // whether dots takes the activation codes widened to int16 (QuantActs::xw)
   template <int BITS, int MT, int Z>
@@ -46,14 +48,19 @@ struct Isa : Vec256 {
     const I ones = _mm256_set1_epi16(1);
     if constexpr (BITS == 4 || Z == 16) {
       // code[j] pairs with input dword j: 4-bit, the low, then high nibbles of chunk j / 2;
-      // 5-bit (Q5_0's 0..31, zero point 16), chunk j's bytes
+      // 5-bit, those with the fifth bits of the plane added (fifth_bit); Q5_0's codes in bytes
+      // (8-bit layout, zero point 16), chunk j's bytes
       I code[8];
-      if constexpr (BITS == 4) {
+      if constexpr (BITS == 4 || BITS == 5) {
         const I low = _mm256_set1_epi8(0x0F);
         for (int c = 0; c < 4; ++c) {
           const I v = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
           code[2 * c] = _mm256_and_si256(v, low);
           code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        if constexpr (BITS == 5) {
+          const I plane = _mm256_loadu_si256((const I*)(wp + 256 + h * 32));
+          for (int c = 0; c < 8; ++c) code[c] = _mm256_or_si256(code[c], fifth_bit(plane, c));
         }
       } else {
         for (int c = 0; c < 8; ++c) code[c] = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));

@@ -17,7 +17,9 @@ inline void check_f32_rows(const torch::Tensor& t, const char* name) {
 // f(std::integral_constant<int, ZL>{}) for a matrix's zero point ZL (0: the affine layout)
 template <int BITS, class F>
 void with_zero(int64_t zero, F f) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 5) {   // five-bit codes are Q5_0's: zero point 16 (check_bits_zero)
+    return f(std::integral_constant<int, 16>{});
+  } else if constexpr (BITS == 4) {
     if (zero == 8) return f(std::integral_constant<int, 8>{});
   } else {
     if (zero == 16) return f(std::integral_constant<int, 16>{});
@@ -26,9 +28,10 @@ void with_zero(int64_t zero, F f) {
   f(std::integral_constant<int, 0>{});
 }
 
-inline void check_zero(int64_t bits, int64_t zero) {
-  TORCH_CHECK(zero == 0 || (bits == 4 ? zero == 8 : zero == 16 || zero == 128),
-              "zero must be 0 or 8 for 4-bit codes, 0, 16 or 128 for 8-bit ones");
+inline void check_bits_zero(int64_t bits, int64_t zero) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 or 8");
+  TORCH_CHECK(bits == 5 ? zero == 16 : zero == 0 || (bits == 4 ? zero == 8 : zero == 16 || zero == 128),
+              "zero must be 0 or 8 for 4-bit codes, 16 for 5-bit ones, 0, 16 or 128 for 8-bit ones");
 }
 
 // f(std::integral_constant<int, BITS>{}, S{}, std::integral_constant<int, ZL>{}) for a packed
@@ -41,6 +44,7 @@ void with_layout(int64_t bits, bool scales16, int64_t zero, F f) {
     else go(float{});
   };
   if (bits == 4) with_scales(std::integral_constant<int, 4>{});
+  else if (bits == 5) with_scales(std::integral_constant<int, 5>{});
   else with_scales(std::integral_constant<int, 8>{});
 }
 
@@ -60,8 +64,7 @@ torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(1) == ((pre == PRE_SWIGLU || pre == PRE_GEGLU) ? 2 * K : K), "x has the wrong width");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  check_zero(bits, zero);
+  check_bits_zero(bits, zero);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8, "packed weights must be contiguous uint8");
   const int64_t M = x.size(0);
   const bool store = epis().stores();
@@ -302,9 +305,8 @@ void refine_logits(torch::Tensor logits, torch::Tensor x, torch::Tensor w, int64
   check_f32_rows(x, "x");
   TORCH_CHECK(K % GROUP == 0 && x.size(1) == K && logits.size(1) == N && x.size(0) == logits.size(0),
               "logits must be [R, N] and x [R, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(cap >= 0 && margin >= 0, "margin and cap must be >= 0");
-  check_zero(bits, zero);
+  check_bits_zero(bits, zero);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8 &&
                   w.numel() == (N + ROWS - 1) / ROWS * (K / GROUP) * packed_block_bytes(bits, scales16 ? 2 : 4, zero),
               "packed weights do not match N, K, bits, zero");

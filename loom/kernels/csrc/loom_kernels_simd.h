@@ -204,6 +204,20 @@ struct Vec256 {
   }
 };
 
+// 5-bit codes: plane byte (row, j) holds in bit c the fifth bit of code(4c + j), the code that
+// pairs with input dword c. fifth_bit(plane, c): that bit moved to bit 4 of each byte, to be
+// OR-ed onto the low four bits (16-bit lane shifts move no bit across a byte before the mask).
+LOOM_INLINE __m256i fifth_bit(__m256i plane, int c) {
+  const __m256i v = c <= 4 ? _mm256_sll_epi16(plane, _mm_cvtsi32_si128(4 - c)) : _mm256_srl_epi16(plane, _mm_cvtsi32_si128(c - 4));
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+#if defined(__AVX512BW__)
+LOOM_INLINE __m512i fifth_bit(__m512i plane, int c) {
+  const __m512i v = c <= 4 ? _mm512_sll_epi16(plane, _mm_cvtsi32_si128(4 - c)) : _mm512_srl_epi16(plane, _mm_cvtsi32_si128(c - 4));
+  return _mm512_and_si512(v, _mm512_set1_epi8(0x10));
+}
+#endif
+
 // ---- vector math over any V -----------------------------------------------------------------
 
 // exp(x): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6 polynomial (rel. err ~2e-7).
