@@ -4,7 +4,7 @@
 // dot products (`V::dots`), the only part written per instruction set.
 //
 // Quantized GEMM, y[M, N] = x[M, K] @ W[N, K]^T
-//   W: per output row n and 32-wide group g, unsigned codes q (4 or 8 bits) with an affine
+//   W: per output row n and 32-wide group g, unsigned codes q (4, 5 or 8 bits) with an affine
 //      map w = a[n,g] * q + b[n,g]. Exact for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q8_0 blocks.
 //   x: each row, after an optional fused pre-op (RMSNorm, SwiGLU, GeGLU), is quantized per
 //      32-group to int8: x ~ d[m,g] * xq, and s[m,g] = d[m,g] * sum(xq), the group sum of the
@@ -23,6 +23,8 @@
 //   output matrix at a few rows) gains whole.
 //   8-bit codes: [8 chunks][16 rows][4 bytes]       chunk c holds k = 4c .. 4c+3          (512 B)
 //   4-bit codes: [4 chunks][16 rows][4 bytes]       byte j: low nibble k = 8c+j, high k = 8c+4+j  (256 B)
+//   5-bit codes (Q5_0's, zero point 16): their low four bits as the 4-bit codes, then
+//                [16 rows][4 bytes]                  byte j, bit c: the fifth bit of k = 4c+j   (320 B)
 //   a, b: float16 where that is exact (every type with fp16 block scales), else float32
 // A block is ROWS / V::W parts of W rows; a 64-byte chunk is one 512-bit vector or two 256-bit halves.
 #pragma once
