@@ -138,6 +138,9 @@ def test_warm_load_reads_the_cache_and_packs_nothing(cache_dir, tiny_path, huge,
         assert _mapping(a)[0] == _mapping(b)[0] == (None if huge else str(path))
     if huge:
         assert _in_one_huge_page_buffer(cold) and _in_one_huge_page_buffer(warm)
+    for model in (cold, warm):   # the one-call stack reads the same matrices: no second copy lives on
+        layers = [b.p.w for L in model.layers for b in (L.qkv, L.o, L.gate_up, L.down)]
+        assert [w.data_ptr() for w in model.stack.weights()] == [w.data_ptr() for w in layers]
     assert _warnings(caplog) == []
     # the sha256 of the file is remembered: the next load does not read the whole file again
     assert list((cache_dir / "identity").glob("*.json"))

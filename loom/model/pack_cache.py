@@ -52,6 +52,7 @@ PACK_FORMAT = 3
 MAGIC = b"LOOMPACK"
 _PREFIX = struct.Struct("<8sIIQQ32s")          # 64 bytes
 _DATA_ALIGN, _ENTRY_ALIGN, _SAMPLE = 4096, 64, 256
+_TRIM_EVERY = 32 << 20   # bytes gathered between hand-backs of the heap (PackCache._gather)
 _CODE = [Path(__file__).parent / n for n in ("quant.py", "weights.py")]   # what the packed bytes depend on
 
 _reported: set[str] = set()   # one line per problem and directory per process
@@ -205,20 +206,28 @@ class PackCache:
                       f"the weights at every load")
             self._gather()
             return
-        self._map_written()
+        if hugepages.enabled():
+            self._gather()   # the bytes just written, held as a warm load holds them
+        else:
+            self._map_written()
 
     def _gather(self) -> None:
-        """Without a cache file: moves the packed forms into one huge-page buffer, as a warm
-        load holds them (loom/hugepages.py), and frees the packing's copies."""
+        """Moves the packed forms into one huge-page buffer, as a warm load holds them
+        (loom/hugepages.py), freeing the packing's copies as it goes: the heap is handed back
+        every _TRIM_EVERY bytes, so the two copies never coexist whole."""
         if not hugepages.enabled():
             return
         sizes = {name: -(-p.w.numel() // _ENTRY_ALIGN) * _ENTRY_ALIGN for name, p in self.entries.items()}
-        data, offset = hugepages.buffer(sum(sizes.values())), 0
+        data, offset, since_trim = hugepages.buffer(sum(sizes.values())), 0, 0
         for name, p in self.entries.items():
             w = torch.from_numpy(data[offset:offset + p.w.numel()]).view(p.w.shape)
             w.copy_(p.w)
-            p.w = w
+            p.w = w   # the model's layers and stack hold p, so they read the new copy
             offset += sizes[name]
+            since_trim += sizes[name]
+            if since_trim >= _TRIM_EVERY:
+                _trim_heap()
+                since_trim = 0
         _trim_heap()
 
     def _map_written(self) -> None:

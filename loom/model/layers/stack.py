@@ -28,8 +28,7 @@ class DecodeStack:
     def __init__(self, kern, projections: list[list], norms, rope_of: list[int], windows: list[int],
                  down_pre: int, eps: float, num_heads: int, num_kv_heads: int, scale: float):
         self.kern = kern
-        packed = [lin.p for layer in projections for lin in layer]
-        self.weights = [p.w for p in packed]
+        packed = self.packed = [lin.p for layer in projections for lin in layer]
         self.dims = [v for p in packed for v in (p.n, p.k, p.bits, int(p.scales16), p.zero)]
         self._norms = norms   # read every step: a layer's norm weights are its attributes'
         self.rope_of, self.windows = rope_of, windows
@@ -44,9 +43,15 @@ class DecodeStack:
             flat = full(fmt)
             return flat[:len(flat) // layers * n]
 
-        cut._norms, cut.weights, cut.dims = norms, self.weights[:4 * n], self.dims[:20 * n]
+        cut._norms, cut.packed, cut.dims = norms, self.packed[:4 * n], self.dims[:20 * n]
         cut.rope_of, cut.windows = self.rope_of[:n], self.windows[:n]
         return cut
+
+    def weights(self) -> list[torch.Tensor]:
+        """The packed matrices as they are now: read at every call, since the packed-weight
+        cache moves them once the model is built (a cold load's copies into the buffer a warm
+        load reads, loom/model/pack_cache.py)."""
+        return [p.w for p in self.packed]
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, meta, kv_caches,
             tables: list[tuple[torch.Tensor, torch.Tensor]], fmt: KVFormat) -> bool:
@@ -58,7 +63,7 @@ class DecodeStack:
         if rows.rest:
             return False
         self.kern.decode_layers(
-            h, self.weights, self.dims, self._norms(fmt), self.eps, self.down_pre, positions,
+            h, self.weights(), self.dims, self._norms(fmt), self.eps, self.down_pre, positions,
             [c for c, _ in tables], [s for _, s in tables], self.rope_of, self.windows,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, self.H, self.Hkv,
             fmt.kernel_id, self.scale, rows.slots, rows.ctx, rows.groups, rows.shared,
