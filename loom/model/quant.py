@@ -175,10 +175,15 @@ def _codes_below(c: QuantCodes, bound: int) -> bool:
 def five_bit_default() -> bool:
     """Whether Q5_0's codes (0..31, zero point 16) are packed in five bits (else in bytes) when
     the caller does not say: where the loaded kernels are the AVX2 variant. A decode step reads
-    its weights from memory, and Gemma 3's layers, most of them Q5_0, are 89 MB a step in bytes
-    and 66 MB in five bits (docs/benchmarks.md, "Q5_0 in five bits"); the AVX-512 variant, whose
-    GEMM takes both layouts, keeps the bytes until measured there."""
+    its weights from memory, and Gemma 3's layers, most of them Q5_0, are 89 MB a step with
+    Q5_0 in bytes and 72 MB in five bits (docs/benchmarks.md, "Q5_0 in five bits"); the AVX-512
+    variant, whose GEMM takes both layouts, keeps the bytes until measured there."""
     return kernels.variant() == "avx2"
+
+
+def _packed_bits(bits: int, zero: int, five_bit: bool) -> int:
+    """The layout's code width: Q5_0's 8-bit codes (zero point 16: below 32) in five bits if asked."""
+    return 5 if five_bit and bits == 8 and zero == 16 else bits
 
 
 def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None,
@@ -195,8 +200,8 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None,
     if zero and not _codes_below(c, 2 * zero):
         raise ValueError(f"zero point {zero} needs codes below {2 * zero}")
     stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
-    five = c.bits == 8 and zero == 16 and (five_bit_default() if five_bit is None else five_bit)
-    layout = _Layout(5 if five else c.bits, zero, torch.float16 if all(_fits_half(t) for t in stored) else torch.float32)
+    five_bit = five_bit_default() if five_bit is None else five_bit
+    layout = _Layout(_packed_bits(c.bits, zero, five_bit), zero, torch.float16 if all(_fits_half(t) for t in stored) else torch.float32)
     w = layout.empty(n, k)
     for r0 in range(0, n, chunk_blocks * ROWS):
         r1 = min(r0 + chunk_blocks * ROWS, n)
@@ -248,8 +253,7 @@ class _Layout:
             zeros = z if zeros is None else tuple(x for x in zeros if x in z)
             a16, b16 = a16 and _fits_half(c.a), b16 and _fits_half(c.b)
         zero = next(iter(zeros), 0)
-        five = five_bit and bits == 8 and zero == 16
-        return _Layout(5 if five else bits, zero, torch.float16 if a16 and (zero or b16) else torch.float32)
+        return _Layout(_packed_bits(bits, zero, five_bit), zero, torch.float16 if a16 and (zero or b16) else torch.float32)
 
     @staticmethod
     def of(c: QuantCodes, five_bit: bool = False) -> "_Layout":

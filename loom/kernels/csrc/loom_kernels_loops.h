@@ -367,6 +367,11 @@ template <class V, typename S, int Z, int ZL, class Epis>
 void gemm_widened5(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
                    bool accumulate, const Epis& epis);
 
+// block columns a GEMM chunk takes at least: ~1M multiply-adds (a few microseconds)
+inline int64_t least_columns(int64_t K, int64_t M) {
+  return (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
+}
+
 // From this many rows on, 5-bit codes are widened to bytes a column at a time (gemm_widened5);
 // fewer read them directly, their fifth bits taken apart in every tile. Gemma 3's gate/up matrix
 // (Zen 2, two threads, against the byte layout's time): directly 1.47-1.55x at one row, 1.37x at
@@ -390,26 +395,23 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   // and 8 rows gained nothing (0.97-1.04x). On a CPU with AVX-512, where the AVX2 variant runs
   // only when forced, its blocks stay in L2: on a Zen 4, streamed, 2 and 4 rows lost 0.85-0.93x.
   const Fetch fetch = M <= GEMM_NTA_ROWS && (ROWS == V::W || !cpu_has_avx512()) ? Fetch::once : Fetch::again;
-  constexpr int MT = V::MT_MAX;
-  // chunks of at least ~1M multiply-adds (a few microseconds)
-  const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
-  parallel_chunks(NB, chunk_of(NB, least, NC), [&](int64_t nb0, int64_t nb1) {
+  parallel_chunks(NB, chunk_of(NB, least_columns(K, M), NC), [&](int64_t nb0, int64_t nb1) {
     auto epi = epis();
     for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
       const int64_t nc1 = std::min(nc0 + NC, nb1);
       for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
         const int64_t mc1 = std::min(mc0 + MC, M);
         for (int64_t nb = nc0; nb < nc1; ++nb)
-          for (int64_t m0 = mc0; m0 < mc1; m0 += MT)
-            tile_rows<V, BITS, S, Z, ZL, MT>(std::min<int64_t>(MT, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
-                                             nb * ROWS, N, accumulate, fetch, epi);
+          for (int64_t m0 = mc0; m0 < mc1; m0 += V::MT_MAX)
+            tile_rows<V, BITS, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
+                                  nb * ROWS, N, accumulate, fetch, epi);
       }
     }
     epi.done();
   });
 }
 
-// 5-bit codes at more rows than a register tile: each block column is widened to the 8-bit
+// 5-bit codes at GEMM_WIDEN5_ROWS rows or more: each block column is widened to the 8-bit
 // layout (widen_block5) into a buffer that stays in L1, and the 8-bit tiles of every row run over
 // it, where each tile would otherwise take the fifth bits apart again. Same tiles, same sums: the
 // results are those of the 5-bit tiles (a row's outputs do not depend on M). A column at a time
@@ -421,8 +423,7 @@ void gemm_widened5(const uint8_t* w, int64_t N, int64_t K, int64_t M, const Quan
                    bool accumulate, const Epis& epis) {
   constexpr int64_t B5 = block_bytes<5, S, ZL>(), B8 = block_bytes<8, S, ZL>();
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS;
-  const int64_t least = (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
-  parallel_chunks(NB, chunk_of(NB, least, std::max<int64_t>(1, GEMM_L2_WEIGHTS / (G * B5))), [&](int64_t nb0, int64_t nb1) {
+  parallel_chunks(NB, chunk_of(NB, least_columns(K, M), std::max<int64_t>(1, GEMM_L2_WEIGHTS / (G * B5))), [&](int64_t nb0, int64_t nb1) {
     thread_local std::vector<uint8_t> column;
     if ((int64_t)column.size() < G * B8) column.resize(G * B8);
     auto epi = epis();
