@@ -17,7 +17,7 @@ version, the file format (PACK_FORMAT, bumped when this module's layout changes)
 the code that builds the packed forms (quant.py, weights.py). A file is used only when its magic,
 format, length, index checksum, key, entry bounds and each entry's sampled checksum (crc32 of its
 first and last 256 bytes) all check out; otherwise the problem is reported in one line and the
-file is rebuilt. (A full checksum of the data would cost a read of every byte on each load.)
+file is rebuilt. (A full checksum would cost a checksum pass over every byte on each load.)
 
 Files are written whole to a temporary name and renamed into place, so concurrent loaders never
 see a partial file. A directory that cannot be written (read-only, full) leaves loom running on
@@ -193,23 +193,23 @@ class PackCache:
         return p
 
     def save(self) -> None:
-        """Writes every entry (cached and new) when anything new was packed."""
+        """Writes every entry (cached and new) when anything new was packed, then holds them
+        as a warm load would: in a huge-page buffer, or as the written file's pages."""
         if not self.new:
             return
-        if self.path is None:
-            self._gather()
-            return
+        if self.path is not None and self._write() and not hugepages.enabled():
+            self._map_written()
+        else:
+            self._gather()   # (nothing to do where huge pages are off)
+
+    def _write(self) -> bool:
         try:
             atomic_write(self.path, lambda out: write_pack_file(out, self.key, self.entries))
+            return True
         except CacheWriteError as e:
             _say_once(f"packed-weight cache unavailable ({e.strerror}): loom runs without it and packs "
                       f"the weights at every load")
-            self._gather()
-            return
-        if hugepages.enabled():
-            self._gather()   # the bytes just written, held as a warm load holds them
-        else:
-            self._map_written()
+            return False
 
     def _gather(self) -> None:
         """Moves the packed forms into one huge-page buffer, as a warm load holds them
