@@ -193,12 +193,21 @@ constexpr int64_t GEMM_PF_BLOCKS = 64;
 // (SmolLM2) and 1.12-1.25x (Gemma 3) as fast, 4 streams 1.00x and 1.02-1.07x (benchmarks/step_ab.py,
 // Zen 4). 8 ahead gained less, 32 nothing for Gemma 3; at 8 rows, where Gemma 3's output matrix is
 // no longer waiting on memory, streamed blocks ran 0.91-0.93x, so more rows keep them in L2.
+// AMD's cores only (cpu_streams_nta): on an Intel Xeon (Sapphire Rapids class, AVX-512 and
+// AMX) the same prefetches made Gemma 3's one-stream decode step 2.9x as slow (24 ms against
+// 8.2; its output matrix alone 15.8 ms against 3.9, benchmarks/gemm_rate.py).
 constexpr int64_t GEMM_NTA_BLOCKS = 16, GEMM_NTA_ROWS = 4;
 
 // whether the CPU has AVX-512 (whatever this build's instructions)
 inline bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f");
   return has;
+}
+
+// whether non-temporal prefetches stream weights at memory speed here (GEMM_NTA_ROWS): AMD's
+inline bool cpu_streams_nta() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
 }
 
 // bytes of one block's codes: 16 rows x 32 codes of 4 bits, of 5 (the 4-bit layout of their low
@@ -394,7 +403,8 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   // 1.14-1.23x as fast at one row, 1.10-1.39x at 2-4 (benchmarks/step_ab.py), where streaming 6
   // and 8 rows gained nothing (0.97-1.04x). On a CPU with AVX-512, where the AVX2 variant runs
   // only when forced, its blocks stay in L2: on a Zen 4, streamed, 2 and 4 rows lost 0.85-0.93x.
-  const Fetch fetch = M <= GEMM_NTA_ROWS && (ROWS == V::W || !cpu_has_avx512()) ? Fetch::once : Fetch::again;
+  const Fetch fetch = M <= GEMM_NTA_ROWS && cpu_streams_nta() && (ROWS == V::W || !cpu_has_avx512()) ? Fetch::once
+                                                                                                     : Fetch::again;
   parallel_chunks(NB, chunk_of(NB, least_columns(K, M), NC), [&](int64_t nb0, int64_t nb1) {
     auto epi = epis();
     for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
