@@ -39,7 +39,7 @@ serve: install
 	$(BIN)/loom serve $(MODEL) --host $(HOST) --port $(PORT)
 
 # The whole suite with the CPU's preferred kernels, then the kernel and invariance tests again
-# with every other variant it runs (LOOM_KERNELS=avx2 on an AVX-512 machine), less the real-model
+# with every other variant it runs (LOOM_KERNELS=avxvnni, avx2 on an AVX-512 machine), less the real-model
 # cases in loom's exact mode (float32_model: torch's GEMMs and attention, the same on every variant).
 VARIANT_TESTS ?= tests/test_kernels.py tests/test_engine.py tests/test_spec.py tests/test_sampler.py
 

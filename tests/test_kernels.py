@@ -72,10 +72,16 @@ def test_loom_kernels_switch_names_the_choices_and_the_missing_flags(monkeypatch
     with pytest.raises(kernels.KernelVariantError, match="lacks avx512f, avx512bw, avx512vl, avx512_vnni"):
         kernels.requested_variant()
     monkeypatch.setenv("LOOM_KERNELS", "sse2")
-    with pytest.raises(kernels.KernelVariantError, match="one of auto, avx512, avx2, 0; got 'sse2'"):
+    with pytest.raises(kernels.KernelVariantError, match="one of auto, avx512, avxvnni, avx2, 0; got 'sse2'"):
         kernels.requested_variant()
     monkeypatch.setenv("LOOM_KERNELS", "0")
     assert kernels.requested_variant() is None
+    # an AVX2 CPU with AVX-VNNI (Alder Lake and later Intel cores) prefers avxvnni and runs avx2
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: avx2_only | {"avx_vnni"})
+    monkeypatch.setenv("LOOM_KERNELS", "auto")
+    assert kernels.supported_variants() == ["avxvnni", "avx2"]
+    assert kernels.requested_variant() == "avxvnni"
+    assert "-mavxvnni" in kernels._cflags("avxvnni") and "-mno-avxvnni" in kernels._cflags("avx2")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
@@ -286,22 +292,40 @@ def test_five_bit_codes_give_the_byte_layouts_outputs_bit_for_bit():
         kern.qgemm(x, p5.w, p5.n, p5.k, 5, p5.scales16, PRE_NONE, None, 0.0, None, False, 0)
 
 
-@pytest.mark.skipif(kernels.supported_variants() != ["avx512", "avx2"], reason="needs a CPU that runs both variants")
-@pytest.mark.parametrize("bits,zero", [(4, 8), (8, 16)])
-def test_variants_agree_bitwise_on_integer_zero_points(bits, zero):
-    """Q4_0 and Q5_0 take the integer zero-point path on both variants: their integer dot
-    products are exact and the float steps after them the same, so the outputs agree bit for bit."""
-    avx512, avx2 = kernels.build("avx512"), kernels.build("avx2")
+def _variant_outputs(variants, bits, zero):
+    """qgemm's outputs from each variant's build, per shape and layout (Q5_0 in bytes and in five bits)."""
+    built = [kernels.build(v) for v in variants]
     for n, k, m in [(40, 64, 1), (200, 640, 8), (576, 576, 33)]:
         g = torch.Generator().manual_seed(n + m)
         a = (torch.rand(n, k // 32, generator=g) * 0.05).half().float()
-        codes = QuantCodes(torch.randint(0, 2 * zero, (n, k), dtype=torch.uint8, generator=g), a, -zero * a, bits)
+        # zero 0: affine codes (Q4_1's, Q8's with an offset of their own per group)
+        b = -zero * a if zero else (torch.rand(n, k // 32, generator=g) - 0.5).half().float()
+        codes = QuantCodes(torch.randint(0, 2 * zero if zero else 2 ** bits, (n, k), dtype=torch.uint8, generator=g), a, b, bits)
         x = torch.randn(m, k, generator=g) * 3
-        for five_bit in ((False, True) if zero == 16 else (False,)):   # Q5_0 in bytes and in five bits
+        for five_bit in ((False, True) if zero == 16 else (False,)):
             p = pack_codes(codes, five_bit=five_bit)
-            y = [kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero)
-                 for kern in (avx512, avx2)]
-            assert torch.equal(y[0], y[1])
+            assert p.zero == zero
+            yield [kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero)
+                   for kern in built]
+
+
+@pytest.mark.skipif(len(kernels.supported_variants()) < 2, reason="needs a CPU that runs two variants")
+@pytest.mark.parametrize("bits,zero", [(4, 8), (8, 16)])
+def test_variants_agree_bitwise_on_integer_zero_points(bits, zero):
+    """Q4_0 and Q5_0 take the integer zero-point path on every variant: their integer dot
+    products are exact and the float steps after them the same, so the outputs agree bit for bit."""
+    for y in _variant_outputs(kernels.supported_variants(), bits, zero):
+        assert all(torch.equal(y[0], other) for other in y[1:])
+
+
+@pytest.mark.skipif(not {"avx512", "avxvnni"} <= set(kernels.supported_variants()),
+                    reason="needs a CPU with AVX-512 VNNI and AVX-VNNI")
+@pytest.mark.parametrize("bits,zero", [(4, 8), (8, 16), (8, 128), (4, 0), (8, 0)])
+def test_avxvnni_agrees_with_avx512_bitwise(bits, zero):
+    """The avxvnni build's dot products are the AVX-512 variant's on 256 bits, Q8_0's zero point
+    and the affine codes included (the avx2 build keeps full 8-bit codes on its affine path)."""
+    for y in _variant_outputs(["avx512", "avxvnni"], bits, zero):
+        assert torch.equal(y[0], y[1])
 
 
 @needs_kernels

@@ -1,6 +1,7 @@
 """loom's compiled CPU kernels, built once per machine from one of two sources:
 
     avx512   csrc/loom_kernels.cpp        AVX-512 + VNNI
+    avxvnni  csrc/loom_kernels_avx2.cpp   AVX2 + FMA + F16C + AVX-VNNI (Intel laptops since Alder Lake)
     avx2     csrc/loom_kernels_avx2.cpp   AVX2 + FMA + F16C (most laptops, many servers)
 
 Both export the same functions with the same semantics over the same packed weights: the loops
@@ -10,11 +11,12 @@ first variant whose instructions this CPU has is built (`variant()` names it). T
 variable `LOOM_KERNELS` chooses:
 
     auto (default)   the first variant this CPU runs
-    avx2 | avx512    that variant; one the CPU cannot run is an error naming the missing flags
+    avx512 | avxvnni | avx2   that variant; one the CPU cannot run is an error naming the missing flags
     0                no kernels: the pure-torch path
 
-The AVX2 variant is compiled with AVX-512 turned off (`-mno-avx512f`), so forcing it on an
-AVX-512 machine runs exactly the code an AVX2-only CPU runs; `make test` runs the kernel and
+The AVX2 variants are compiled with AVX-512 turned off (`-mno-avx512f`), and avx2 with AVX-VNNI
+off as well, so forcing avx2 on an AVX-512 machine runs exactly the code an AVX2-only CPU (a Zen 2
+or 3) runs, and avxvnni the code of an AVX2 CPU with AVX-VNNI; `make test` runs the kernel and
 invariance tests once per variant the CPU supports.
 
 `load()` returns the extension module, or None where it cannot be used: a CPU with neither
@@ -44,6 +46,7 @@ HEADERS = sorted(CSRC.glob("*.h"))   # included by both sources
 # Variants in order of preference: name -> (source, the CPU flags it needs).
 VARIANTS = {
     "avx512": (CSRC / "loom_kernels.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    "avxvnni": (CSRC / "loom_kernels_avx2.cpp", ("avx2", "fma", "f16c", "avx_vnni")),
     "avx2": (CSRC / "loom_kernels_avx2.cpp", ("avx2", "fma", "f16c")),
 }
 REQUIRED_FLAGS = {name: flags for name, (_, flags) in VARIANTS.items()}
@@ -90,8 +93,9 @@ def _cflags(variant: str) -> list[str]:
     # hidden: a module's template instances bind to its own code, never to another loaded
     # build's (benchmarks load a second checkout's kernels beside this tree's)
     flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-fvisibility=hidden"]
-    if variant == "avx2":
+    if variant in ("avx2", "avxvnni"):
         flags.append("-mno-avx512f")   # exactly an AVX2 machine's code, even on an AVX-512 one
+        flags.append("-mavxvnni" if variant == "avxvnni" else "-mno-avxvnni")
     return flags
 
 

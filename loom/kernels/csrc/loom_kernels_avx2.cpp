@@ -1,4 +1,4 @@
-// loom's CPU kernels, AVX2 + FMA + F16C variant: the functions of the AVX-512 variant with the
+// loom's CPU kernels, AVX2 + FMA + F16C variant (and, compiled with AVX-VNNI, the avxvnni one): the functions of the AVX-512 variant with the
 // same signatures, semantics and packed weight layout, for CPUs without AVX-512 VNNI. The loops
 // are shared (loom_kernels_loops.h over the 256-bit traits of loom_kernels_simd.h); this file
 // adds the integer dot products, per 8-row half of a block (a 64-byte chunk is rows 0-7, then
@@ -21,6 +21,10 @@
 //                widening is shared by the tile's rows: the 8-bit output matrices at 32 rows
 //                ran 1.12-1.16x (Zen 4, one core, benchmarks/gemm_rate.py).
 // All are exact, so the results equal the AVX-512 variant's integer dot products.
+//
+// Built for a CPU with AVX-VNNI (the avxvnni variant: Intel's cores since Alder Lake, Zen 5),
+// every width takes one VPDPBUSD per 32 products instead, the AVX-512 variant's dot products
+// on 256 bits; its outputs then equal that variant's bit for bit, Q8_0's too.
 
 #include <cstring>
 
@@ -29,6 +33,59 @@
 namespace loom {
 
 struct Isa : Vec256 {
+  // The codes of rows 8h .. 8h+7 of block wp as bytes, code[j] pairing with input dword j: 4-bit,
+  // the low, then high nibbles of chunk j / 2; 5-bit, those with the fifth bits of the plane
+  // added (fifth_bit); 8-bit (Q5_0's in bytes too), chunk j's bytes.
+  template <int BITS>
+  LOOM_INLINE static void load_codes(const uint8_t* wp, int h, I* code) {
+    if constexpr (BITS == 4 || BITS == 5) {
+      const I low = _mm256_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        const I v = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
+        code[2 * c] = _mm256_and_si256(v, low);
+        code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      if constexpr (BITS == 5) {
+        const I plane = _mm256_loadu_si256((const I*)(wp + 256 + h * 32));
+        for (int c = 0; c < 8; ++c) code[c] = _mm256_or_si256(code[c], fifth_bit(plane, c));
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) code[c] = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
+    }
+  }
+
+#if defined(__AVXVNNI__)
+  // With AVX-VNNI (the avxvnni build): VPDPBUSD on 256 bits, u8 codes x s8 activations -> s32,
+  // as the AVX-512 variant does on 512: every zero point takes the integer path, no code is
+  // widened, and the outputs equal the AVX-512 variant's bit for bit.
+  template <int BITS, int ZL>
+  static constexpr bool zero_path() { return true; }
+
+  template <int BITS, int MT, int Z>
+  static constexpr bool wide_codes() { return false; }
+
+  template <int BITS, int MT, int Z>
+  LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* xp, const int16_t*, const int32_t* xs, I* dot) {
+    I code[8];
+    load_codes<BITS>(wp, h, code);
+    for (int i = 0; i < MT; ++i) {
+      const I init = Z ? _mm256_set1_epi32(xs[i]) : _mm256_setzero_si256();   // -Z sum(xq)
+      if constexpr (MT >= 4) {   // one chain per row: the rows' chains hide each other's latency
+        I s = init;
+        for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_avx_epi32(s, code[c], _mm256_set1_epi32(xp[8 * i + c]));
+        dot[i] = s;
+      } else {                   // two chains per row, added at the end
+        I s0 = _mm256_dpbusd_avx_epi32(init, code[0], _mm256_set1_epi32(xp[8 * i]));
+        I s1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), code[1], _mm256_set1_epi32(xp[8 * i + 1]));
+        for (int c = 2; c < 8; c += 2) {
+          s0 = _mm256_dpbusd_avx_epi32(s0, code[c], _mm256_set1_epi32(xp[8 * i + c]));
+          s1 = _mm256_dpbusd_avx_epi32(s1, code[c + 1], _mm256_set1_epi32(xp[8 * i + c + 1]));
+        }
+        dot[i] = _mm256_add_epi32(s0, s1);
+      }
+    }
+  }
+#else
   // Whether a matrix of this code width and zero point takes the integer zero-point path. Full
   // 8-bit codes keep the affine one: with the zero point, a one-stream decode step ran 2-7%
   // slower on Zen 4 (the GEMM alone at M = 1, benchmarks/gemm_rate.py: 12-18%), where 8 and 32
@@ -47,24 +104,8 @@ struct Isa : Vec256 {
                                I* dot) {
     const I ones = _mm256_set1_epi16(1);
     if constexpr (BITS == 4 || Z == 16) {
-      // code[j] pairs with input dword j: 4-bit, the low, then high nibbles of chunk j / 2;
-      // 5-bit, those with the fifth bits of the plane added (fifth_bit); Q5_0's codes in bytes
-      // (8-bit layout, zero point 16), chunk j's bytes
       I code[8];
-      if constexpr (BITS == 4 || BITS == 5) {
-        const I low = _mm256_set1_epi8(0x0F);
-        for (int c = 0; c < 4; ++c) {
-          const I v = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
-          code[2 * c] = _mm256_and_si256(v, low);
-          code[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-        if constexpr (BITS == 5) {
-          const I plane = _mm256_loadu_si256((const I*)(wp + 256 + h * 32));
-          for (int c = 0; c < 8; ++c) code[c] = _mm256_or_si256(code[c], fifth_bit(plane, c));
-        }
-      } else {
-        for (int c = 0; c < 8; ++c) code[c] = _mm256_loadu_si256((const I*)(wp + c * 64 + h * 32));
-      }
+      load_codes<BITS>(wp, h, code);
       for (int i = 0; i < MT; ++i) {
         I s0 = _mm256_maddubs_epi16(code[0], _mm256_set1_epi32(xp[8 * i]));
         I s1 = _mm256_maddubs_epi16(code[1], _mm256_set1_epi32(xp[8 * i + 1]));
@@ -113,6 +154,7 @@ struct Isa : Vec256 {
       }
     }
   }
+#endif
 };
 
 }  // namespace loom
