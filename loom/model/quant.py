@@ -10,8 +10,12 @@ Every form is per 32-element group affine: w = a * q + b, q an unsigned code.
     Q8_0:  w = d * s, s in -128..127  -> 8-bit codes s + 128, a = d, b = -128 d
 
 These are exact. The kernels' layout (PackedCodes) holds 4-bit codes in nibbles and 8-bit ones
-in bytes; Q5_0's 8-bit codes (0..31, zero point 16) in five bits where five_bit_default() says
-so: their low four bits as nibbles, then a plane of their fifth bits. Other types (Q6_K, Q5_K, F16, ...) are requantized from their float32
+in bytes; Q5_0's 8-bit codes (0..31, zero point 16) in five bits unless the caller asks for bytes:
+their low four bits as nibbles, then a plane of their fifth bits. A decode step reads its weights
+from memory, and Gemma 3's layers, most of them Q5_0, are 89 MB a step in bytes and 72 MB in five
+bits: one-stream steps ran 1.09-1.13x on the AVX2 variant (Zen 2), 1.05-1.07x on the AVX-512 one
+and 1.03-1.08x on avxvnni (Xeon), eight streams 0.985-0.996x, 1.01-1.05x and 1.01-1.02x
+(docs/benchmarks.md, "Q5_0 in five bits" and "An Intel Xeon with AMX"). Other types (Q6_K, Q5_K, F16, ...) are requantized from their float32
 values to 8-bit codes per group (min/max affine), far finer than the source's own step.
 torch's int4 kernel (the fallback path) wants `(q - 8) * scale + zero`: scale = a, zero = b + 8 a.
 """
@@ -26,7 +30,6 @@ import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import Q4_K
 
-from loom import kernels
 
 GROUP = 32
 ROWS = 16  # output rows per block of the packed kernel layout
@@ -172,27 +175,17 @@ def _codes_below(c: QuantCodes, bound: int) -> bool:
     return bound >= 2 ** c.bits or int(c.q.max()) < bound
 
 
-def five_bit_default() -> bool:
-    """Whether Q5_0's codes (0..31, zero point 16) are packed in five bits (else in bytes) when
-    the caller does not say: where the loaded kernels are the AVX2 variant. A decode step reads
-    its weights from memory, and Gemma 3's layers, most of them Q5_0, are 89 MB a step with
-    Q5_0 in bytes and 72 MB in five bits (docs/benchmarks.md, "Q5_0 in five bits"); the AVX-512
-    variant, whose GEMM takes both layouts, keeps the bytes until measured there."""
-    return kernels.variant() == "avx2"
-
-
 def _packed_bits(bits: int, zero: int, five_bit: bool) -> int:
     """The layout's code width: Q5_0's 8-bit codes (zero point 16: below 32) in five bits if asked."""
     return 5 if five_bit and bits == 8 and zero == 16 else bits
 
 
 def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None,
-               five_bit: bool | None = None) -> PackedCodes:
+               five_bit: bool = True) -> PackedCodes:
     """The kernel layout of `c`, built `chunk_blocks` row blocks at a time into one output (a
     262k-row matrix never has a second full-size copy in flight). zero: the layout's zero point,
     by default `zero_point(c)`; 0 keeps every offset (the affine layout of any matrix).
-    five_bit: 8-bit codes with zero point 16 (Q5_0's) packed in five bits; by default
-    `five_bit_default()`."""
+    five_bit: 8-bit codes with zero point 16 (Q5_0's) packed in five bits, else in bytes."""
     n, k = c.q.shape
     zero = zero_point(c) if zero is None else zero
     if zero and not torch.equal(c.b, c.a * -zero):
@@ -200,7 +193,6 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None,
     if zero and not _codes_below(c, 2 * zero):
         raise ValueError(f"zero point {zero} needs codes below {2 * zero}")
     stored = (c.a,) if zero else (c.a, c.b)   # b = -zero a is not stored
-    five_bit = five_bit_default() if five_bit is None else five_bit
     layout = _Layout(_packed_bits(c.bits, zero, five_bit), zero, torch.float16 if all(_fits_half(t) for t in stored) else torch.float32)
     w = layout.empty(n, k)
     for r0 in range(0, n, chunk_blocks * ROWS):
@@ -210,14 +202,13 @@ def pack_codes(c: QuantCodes, chunk_blocks: int = 512, zero: int | None = None,
 
 
 def pack_rows(n: int, k: int, rows: Callable[[int, int], QuantCodes], chunk_rows: int = ROWS * 512,
-              five_bit: bool | None = None) -> PackedCodes:
+              five_bit: bool = True) -> PackedCodes:
     """`pack_codes` of an [n, k] matrix whose codes come by row range (`rows(r0, r1)`: the codes
     of rows r0 .. r1 - 1), so that no full-size copy of its codes is ever made. The first range
     chooses the layout (zero point, float16 scales); should a later range not fit it, the layout
     is chosen over every range and the packing starts again. The result equals pack_codes of the
     whole matrix's codes."""
     assert chunk_rows % ROWS == 0
-    five_bit = five_bit_default() if five_bit is None else five_bit
     spans = [(r0, min(r0 + chunk_rows, n)) for r0 in range(0, n, chunk_rows)]
     layout = w = None
     for r0, r1 in spans:
