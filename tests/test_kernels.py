@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -326,6 +328,38 @@ def test_avxvnni_agrees_with_avx512_bitwise(bits, zero):
     and the affine codes included (the avx2 build keeps full 8-bit codes on its affine path)."""
     for y in _variant_outputs(["avx512", "avxvnni"], bits, zero):
         assert torch.equal(y[0], y[1])
+
+
+def _amx_case_outputs() -> list[torch.Tensor]:
+    """qgemm's outputs over 8-bit layouts (Q8_0's zero point, Q5_0's in bytes and in five bits,
+    affine) at 1-40 rows (from 16 rows on, tiles of 8 rows on AMX where it runs; the rest on VNNI)."""
+    kern, ys = kernels.load(), []
+    for bits, zero, five_bit in [(8, 128, False), (8, 16, False), (8, 16, True), (8, 0, False)]:
+        codes = _random_codes(300, 640, bits, seed=bits + zero, fp16_scales=True, zero=zero)
+        if zero == 16:   # Q5_0's codes: 0..31
+            codes = QuantCodes(codes.q % 32, codes.a, codes.b, bits)
+        p = pack_codes(codes, five_bit=five_bit)
+        for m in (1, 8, 16, 40):
+            x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m)) * 2
+            ys.append(kern.qgemm(x, p.w, p.n, p.k, p.bits, p.scales16, PRE_NONE, None, 0.0, None, False, p.zero))
+    return ys
+
+
+@needs_kernels
+@pytest.mark.skipif("amx_int8" not in cpu_flags() or kernels.variant() != "avx512",
+                    reason="needs the AVX-512 variant on a CPU with AMX-INT8")
+def test_amx_tiles_give_the_vnni_tiles_bits(tmp_path):
+    """Tiles of 8 activation rows take their integer dot products from AMX where the CPU has it;
+    the sums are the same integers, scaled the same way, so every output equals the VNNI tiles'
+    (LOOM_AMX=0, in a process of its own) bit for bit."""
+    assert kernels.load().amx_tiles()
+    out = tmp_path / "vnni.pt"
+    code = ("import sys, torch; sys.path.insert(0, 'tests'); import test_kernels as t; from loom import kernels; "
+            f"assert not kernels.load().amx_tiles(); torch.save(t._amx_case_outputs(), {str(out)!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "LOOM_AMX": "0"},
+                   cwd=Path(__file__).resolve().parent.parent)
+    for amx, vnni in zip(_amx_case_outputs(), torch.load(out), strict=True):
+        assert torch.equal(amx, vnni)
 
 
 @needs_kernels

@@ -198,6 +198,13 @@ constexpr int64_t GEMM_PF_BLOCKS = 64;
 // 8.2; its output matrix alone 15.8 ms against 3.9, benchmarks/gemm_rate.py).
 constexpr int64_t GEMM_NTA_BLOCKS = 16, GEMM_NTA_ROWS = 4;
 
+// whether V's AMX tiles may run here (V::kAmx: built with them)
+template <class V>
+bool amx_allowed() {
+  if constexpr (V::kAmx) return V::amx_allowed();
+  else return false;
+}
+
 // whether the CPU has AVX-512 (whatever this build's instructions)
 inline bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f");
@@ -240,6 +247,10 @@ LOOM_INLINE void widen_block5(const uint8_t* src, uint8_t* dst) {
   std::memcpy(dst + code_bytes_of(8), src + code_bytes_of(5), block_bytes<5, S, ZL>() - code_bytes_of(5));
 }
 
+template <class V, int BITS, int MT, typename S, int Z, int ZL>
+LOOM_INLINE void group_scale(const uint8_t* wp, int h, const typename V::I* dot, const float* d, const float* s,
+                             typename V::F* acc);
+
 // acc[i] += rows h W .. (h + 1) W - 1 of one group's block wp times activation row i (its int8
 // codes at xq + 8 i, int16 ones at xw + 32 i).
 // Z > 0: every group's offset is b = -Z a (Q4_0, Q5_0, Q8_0: an integer zero point), so the
@@ -251,9 +262,16 @@ template <class V, int BITS, int MT, typename S, int Z, int ZL>
 LOOM_INLINE void group_part(const uint8_t* wp, int h, const int32_t* xq, const int16_t* xw, const int32_t* xs,
                             const float* d, const float* s, typename V::F* acc) {
   static_assert(Z == 0 || Z == ZL, "the integer path needs the layout's zero point");
-  constexpr int64_t CODE_BYTES = code_bytes_of(BITS);
   typename V::I dot[MT];
   V::template dots<BITS, MT, Z>(wp, h, xq, xw, xs, dot);
+  group_scale<V, BITS, MT, S, Z, ZL>(wp, h, dot, d, s, acc);
+}
+
+// acc[i] += the group's integer dot products dot[i] scaled: a d dot (+ b s without Z)
+template <class V, int BITS, int MT, typename S, int Z, int ZL>
+LOOM_INLINE void group_scale(const uint8_t* wp, int h, const typename V::I* dot, const float* d, const float* s,
+                             typename V::F* acc) {
+  constexpr int64_t CODE_BYTES = code_bytes_of(BITS);
   const S* sc = (const S*)(wp + CODE_BYTES);
   const typename V::F av = V::load(sc + h * V::W);
   const typename V::F bv = Z > 0    ? V::zero()
@@ -285,6 +303,24 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + m0 * K : nullptr;
   const int32_t* xs = qa.xs.data() + m0 * G;
   const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
+  if constexpr (V::kAmx && BITS == 8 && MT == V::MT_MAX && NP == 1) {
+    if (V::tiles_on) {   // AMX: four groups' dot products at a time, each scaled as below
+      alignas(64) int32_t out[V::AMX_GROUPS][MT][16];
+      for (int64_t g = 0; g < G; g += V::AMX_GROUPS) {
+        const int n = (int)std::min<int64_t>(V::AMX_GROUPS, G - g);
+        const uint8_t* wp = w + g * BLOCK;
+        if (fetch == Fetch::again)
+          for (int64_t off = 0; off < n * BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
+        V::amx_dots(n, wp, BLOCK, (const int8_t*)xq, P * GROUP, out);
+        for (int j = 0; j < n; ++j, xq += P * GROUP / 4, xs += P, d += P, s += P) {
+          typename V::I dot[MT];
+          for (int i = 0; i < MT; ++i) dot[i] = V::template amx_row<Z>(out[j][i], xs[i]);
+          group_scale<V, BITS, MT, S, Z, ZL>(wp + j * BLOCK, H, dot, d, s, acc[0]);
+        }
+      }
+      return;
+    }
+  }
   for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
     const uint8_t* wp = w + g * BLOCK;
     if constexpr (H == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
@@ -407,6 +443,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
                                                                                                      : Fetch::again;
   parallel_chunks(NB, chunk_of(NB, least_columns(K, M), NC), [&](int64_t nb0, int64_t nb1) {
     auto epi = epis();
+    V::tiles_begin(M);
     for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
       const int64_t nc1 = std::min(nc0 + NC, nb1);
       for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
@@ -417,6 +454,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
                                   nb * ROWS, N, accumulate, fetch, epi);
       }
     }
+    V::tiles_end();
     epi.done();
   });
 }
@@ -437,6 +475,7 @@ void gemm_widened5(const uint8_t* w, int64_t N, int64_t K, int64_t M, const Quan
     thread_local std::vector<uint8_t> column;
     if ((int64_t)column.size() < G * B8) column.resize(G * B8);
     auto epi = epis();
+    V::tiles_begin(M);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const uint8_t* src = w + nb * G * B5;
       for (int64_t g = 0; g < G; ++g, src += B5) {
@@ -447,6 +486,7 @@ void gemm_widened5(const uint8_t* w, int64_t N, int64_t K, int64_t M, const Quan
         tile_rows<V, 8, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, M - m0), column.data(), G, qa, K, m0, y, ldy, nb * ROWS,
                                   N, accumulate, Fetch::cached, epi);
     }
+    V::tiles_end();
     epi.done();
   });
 }

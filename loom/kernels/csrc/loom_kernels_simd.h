@@ -65,6 +65,10 @@ struct Vec512 {
   using Mask = __mmask16;
   static constexpr int MT_MAX = 8;                  // activation rows per GEMM register tile
   static constexpr int PV_ACC = 16;                 // accumulators of a value tile (attention's PV)
+  static constexpr bool kAmx = false;              // AMX tiles (an Isa that has them says so)
+  static constexpr bool tiles_on = false;
+  static void tiles_begin(int64_t) {}
+  static void tiles_end() {}
 
   LOOM_FLOAT_OPS(_mm512)
   static F load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
@@ -131,6 +135,10 @@ struct Vec256 {
   using Mask = __m256;   // all-ones lanes
   static constexpr int MT_MAX = 4;
   static constexpr int PV_ACC = 8;
+  static constexpr bool kAmx = false;              // AMX tiles (an Isa that has them says so)
+  static constexpr bool tiles_on = false;
+  static void tiles_begin(int64_t) {}
+  static void tiles_end() {}
 
   LOOM_FLOAT_OPS(_mm256)
   static F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
