@@ -10,7 +10,10 @@
 # On a CPU with AMX, llama.cpp is built for its other instructions but not AMX (every AVX-512,
 # VNNI and BF16 extension it has, by name, instead of -march=native): on a Xeon with AMX-INT8
 # (KVM guest), ggml 0.3.36's AMX matrix multiply (ggml_backend_amx_mul_mat) crashed with a
-# segmentation fault on any prompt of more than one token, in llama-cpp-python and llama-server.
+# segmentation fault on any prompt of more than one token, in llama-cpp-python and llama-server,
+# built with GCC 12. Most likely the fault loom's own AMX code met first: a tile configuration
+# zeroed on the stack and loaded with GCC 12's _tile_loadconfig, whose asm names only 8 of its 64
+# bytes as read, so the compiler drops part of the zeroing and LDTILECFG faults on the garbage.
 #
 # PYTHON (default python3) makes the vLLM venv; JOBS (default 2) and nice 15 keep the build
 # from starving the machine.
