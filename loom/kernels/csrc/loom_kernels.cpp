@@ -10,8 +10,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <strings.h>
+
 #include <cstdlib>
-#include <cstring>
 #define LOOM_AMX 1
 #endif
 
@@ -47,8 +48,10 @@ struct Isa : Vec512 {
 
   static bool amx_allowed() {
     static const bool ok = [] {
-      const char* e = std::getenv("LOOM_AMX");
-      if (e && std::strcmp(e, "0") == 0) return false;
+      const char* e = std::getenv("LOOM_AMX");   // 0, false, off, no: off (as loom's other switches)
+      if (e)
+        for (const char* off : {"0", "false", "off", "no"})
+          if (strcasecmp(e, off) == 0) return false;
       return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     }();
     return ok;
