@@ -4,7 +4,7 @@
     avxvnni  csrc/loom_kernels_avx2.cpp   AVX2 + FMA + F16C + AVX-VNNI (Intel laptops since Alder Lake)
     avx2     csrc/loom_kernels_avx2.cpp   AVX2 + FMA + F16C (most laptops, many servers)
 
-Both export the same functions with the same semantics over the same packed weights: the loops
+All three export the same functions with the same semantics over the same packed weights: the loops
 are written once in the shared headers (csrc/*.h: vector traits per instruction set, the loops
 over them, the Python-facing functions), and each source adds its integer dot products. The
 first variant whose instructions this CPU has is built (`variant()` names it). The environment
