@@ -332,9 +332,11 @@ def test_avxvnni_agrees_with_avx512_bitwise(bits, zero):
 
 def _amx_case_outputs() -> list[torch.Tensor]:
     """qgemm's outputs over 8-bit layouts (Q8_0's zero point, Q5_0's in bytes and in five bits,
-    affine) at 1-40 rows (from 16 rows on, tiles of 8 rows on AMX where it runs; the rest on VNNI)."""
+    affine) and 4-bit ones (Q4_0's zero point, affine) at 1-40 rows (from 16 rows on, 32 for 4-bit
+    codes, tiles of 8 rows on AMX where it runs; the rest on VNNI)."""
     kern, ys = kernels.load(), []
-    for bits, zero, five_bit in [(8, 128, False), (8, 16, False), (8, 16, True), (8, 0, False)]:
+    for bits, zero, five_bit in [(8, 128, False), (8, 16, False), (8, 16, True), (8, 0, False), (4, 8, False),
+                                 (4, 0, False)]:
         codes = _random_codes(300, 640, bits, seed=bits + zero, fp16_scales=True, zero=zero)
         if zero == 16:   # Q5_0's codes: 0..31
             codes = QuantCodes(codes.q % 32, codes.a, codes.b, bits)

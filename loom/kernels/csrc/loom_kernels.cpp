@@ -21,17 +21,20 @@ namespace loom {
 struct Isa : Vec512 {
 #ifdef LOOM_AMX
   // AMX (built where the CPU has AMX-INT8): in a GEMM of AMX_ROWS rows or more, a tile of 8
-  // activation rows over 8-bit codes (Q5_0's five bits widened to them too) takes each group's
+  // activation rows over 8-bit codes (Q5_0's five bits and 4-bit codes widened to them) takes each group's
   // 8 x 16 dot products from one TDPBSUD (s8 activations x u8 codes -> s32) instead of 64
   // VPDPBUSD, four groups in flight in tiles 0-3 (activations in 4-5, codes in 6-7: a block's
   // 8-bit codes are already the B tile's layout, 8 rows of 4 inputs x 16 outputs). The sums are
   // the same integers, scaled as before, so the outputs equal the VNNI tiles' bit for bit. The
   // per-group scaling is left as it was and bounds the gain: Gemma 3's 8-bit matrices at 32 rows
   // ran 1.02-1.09x, 128 rows 1.04-1.17x, 8 rows 0.85-1.05x (a Xeon with AMX, benchmarks/gemm_rate.py);
-  // whole decode steps of 32 sequences 1.03-1.08x, prefill 1.04-1.12x. Off with LOOM_AMX=0, or
-  // where the kernel does not grant the tile state (arch_prctl).
+  // whole decode steps of 32 sequences 1.03-1.08x, prefill 1.04-1.12x. 4-bit codes are widened
+  // to bytes a block column at a time first (gemm_widened), from AMX_ROWS4 rows on: SmolLM2's
+  // 4-bit matrices ran 1.05-1.27x at 32 rows, 1.10-1.31x at 512, 0.90-0.96x at 16; its 512-token
+  // prefill 1.17-1.25x. Off with LOOM_AMX=0, or where the kernel does not grant the tile state
+  // (arch_prctl).
   static constexpr bool kAmx = true;
-  static constexpr int AMX_GROUPS = 4, AMX_ROWS = 16;
+  static constexpr int AMX_GROUPS = 4, AMX_ROWS = 16, AMX_ROWS4 = 32;
 
   // LDTILECFG's 64 bytes: palette 1; tiles 0-7 of 8 rows, 64 bytes a row, 32 for the activations
   // (4, 5); the rest zero. A constant in memory: GCC's _tile_loadconfig names only 8 bytes as read,

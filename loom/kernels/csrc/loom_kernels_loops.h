@@ -229,22 +229,27 @@ constexpr int64_t packed_block_bytes(int64_t bits, int64_t scale_bytes, int64_t 
 template <int BITS, typename S, int ZL>
 constexpr int64_t block_bytes() { return packed_block_bytes(BITS, sizeof(S), ZL); }
 
-// One group's block of 5-bit codes rewritten in the 8-bit layout (bytes (c, row, j) = code(4c + j)),
-// scales copied: the same codes and scales, so the same products.
-template <typename S, int ZL>
-LOOM_INLINE void widen_block5(const uint8_t* src, uint8_t* dst) {
+// One group's block of 4- or 5-bit codes rewritten in the 8-bit layout (bytes (c, row, j) =
+// code(4c + j)), scales copied: the same codes and scales, so the same products.
+template <int BITS, typename S, int ZL>
+LOOM_INLINE void widen_block(const uint8_t* src, uint8_t* dst) {
+  static_assert(BITS == 4 || BITS == 5, "nibbles, with or without a plane of fifth bits");
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int half = 0; half < 2; ++half) {
-    const __m256i plane = _mm256_loadu_si256((const __m256i*)(src + 256 + 32 * half));
+    __m256i plane = _mm256_setzero_si256();
+    if constexpr (BITS == 5) plane = _mm256_loadu_si256((const __m256i*)(src + 256 + 32 * half));
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(src + c * 64 + 32 * half));
-      _mm256_storeu_si256((__m256i*)(dst + 2 * c * 64 + 32 * half),
-                          _mm256_or_si256(_mm256_and_si256(v, low), fifth_bit(plane, 2 * c)));
-      _mm256_storeu_si256((__m256i*)(dst + (2 * c + 1) * 64 + 32 * half),
-                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), fifth_bit(plane, 2 * c + 1)));
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (BITS == 5) {
+        lo = _mm256_or_si256(lo, fifth_bit(plane, 2 * c));
+        hi = _mm256_or_si256(hi, fifth_bit(plane, 2 * c + 1));
+      }
+      _mm256_storeu_si256((__m256i*)(dst + 2 * c * 64 + 32 * half), lo);
+      _mm256_storeu_si256((__m256i*)(dst + (2 * c + 1) * 64 + 32 * half), hi);
     }
   }
-  std::memcpy(dst + code_bytes_of(8), src + code_bytes_of(5), block_bytes<5, S, ZL>() - code_bytes_of(5));
+  std::memcpy(dst + code_bytes_of(8), src + code_bytes_of(BITS), block_bytes<BITS, S, ZL>() - code_bytes_of(BITS));
 }
 
 template <class V, int BITS, int MT, typename S, int Z, int ZL>
@@ -286,7 +291,7 @@ LOOM_INLINE void group_scale(const uint8_t* wp, int h, const typename V::I* dot,
 // Where a tile's weights come from: memory, read once by the call (every part of a block at a
 // time, the blocks streaming past L2 and L3: GEMM_NTA_BLOCKS); memory, read again by the call's
 // other rows (a part at a time, the column waiting in L2 for the next part: GEMM_PF_BLOCKS); or
-// a buffer already in cache (gemm_widened5's), which nothing needs to fetch ahead.
+// a buffer already in cache (gemm_widened's), which nothing needs to fetch ahead.
 enum class Fetch { once, again, cached };
 
 // acc[p][i] = part H + p (rows (H + p) W .. of a block column) times activation row m0 + i, over
@@ -408,16 +413,16 @@ inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& 
 // Only the order of the tiles changes: each output is the same tile's same sum over groups.
 constexpr int64_t GEMM_L1_ACTS = 16 * 1024, GEMM_L2_WEIGHTS = 256 * 1024;
 
-template <class V, typename S, int Z, int ZL, class Epis>
-void gemm_widened5(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
-                   bool accumulate, const Epis& epis);
+template <class V, int BITS, typename S, int Z, int ZL, class Epis>
+void gemm_widened(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
+                  bool accumulate, const Epis& epis);
 
 // block columns a GEMM chunk takes at least: ~1M multiply-adds (a few microseconds)
 inline int64_t least_columns(int64_t K, int64_t M) {
   return (((int64_t)1 << 20) + ROWS * K * M - 1) / (ROWS * K * M);
 }
 
-// From this many rows on, 5-bit codes are widened to bytes a column at a time (gemm_widened5);
+// From this many rows on, 5-bit codes are widened to bytes a column at a time (gemm_widened);
 // fewer read them directly, their fifth bits taken apart in every tile. Gemma 3's gate/up matrix
 // (Zen 2, two threads, against the byte layout's time): directly 1.47-1.55x at one row, 1.37x at
 // two, 0.91-1.03x at three, 0.83-0.88x at four (widened, 157-163 us there against 134-136 us
@@ -429,7 +434,9 @@ template <class V, int BITS, typename S, int Z, int ZL, class Epis>
 void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
           bool accumulate, const Epis& epis) {
   if constexpr (BITS == 5)
-    if (M >= GEMM_WIDEN5_ROWS) return gemm_widened5<V, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
+    if (M >= GEMM_WIDEN5_ROWS) return gemm_widened<V, 5, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
+  if constexpr (BITS == 4 && V::kAmx)   // AMX takes bytes: the nibbles widened as the five bits are
+    if (M >= V::AMX_ROWS4 && amx_allowed<V>()) return gemm_widened<V, 4, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t code_bytes = V::template wide_codes<BITS, V::MT_MAX, Z>() ? 2 : 1;   // int16 codes: half the rows
   const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / (K * code_bytes) / V::MT_MAX * V::MT_MAX);
@@ -460,27 +467,28 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
 }
 
 // 5-bit codes at GEMM_WIDEN5_ROWS rows or more: each block column is widened to the 8-bit
-// layout (widen_block5) into a buffer that stays in L1, and the 8-bit tiles of every row run over
+// layout (widen_block) into a buffer that stays in L1, and the 8-bit tiles of every row run over
 // it, where each tile would otherwise take the fifth bits apart again. Same tiles, same sums: the
 // results are those of the 5-bit tiles (a row's outputs do not depend on M). A column at a time
 // beat runs of columns kept in L2 with the rows in panels (gemm's blocking) at every M, 512 too:
 // Gemma 3's gate/up matrix at 8 / 32 / 512 rows 0.93 / 0.96 / 0.99x the byte layout's time
-// against 0.87 / 0.93 / 0.96x (Zen 2, two threads).
-template <class V, typename S, int Z, int ZL, class Epis>
-void gemm_widened5(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
-                   bool accumulate, const Epis& epis) {
-  constexpr int64_t B5 = block_bytes<5, S, ZL>(), B8 = block_bytes<8, S, ZL>();
+// against 0.87 / 0.93 / 0.96x (Zen 2, two threads). 4-bit codes take the same way where AMX runs
+// a call's tiles (V::AMX_ROWS4 rows or more): AMX multiplies bytes.
+template <class V, int BITS, typename S, int Z, int ZL, class Epis>
+void gemm_widened(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa, float* y, int64_t ldy,
+                  bool accumulate, const Epis& epis) {
+  constexpr int64_t BN = block_bytes<BITS, S, ZL>(), B8 = block_bytes<8, S, ZL>();
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS;
-  parallel_chunks(NB, chunk_of(NB, least_columns(K, M), std::max<int64_t>(1, GEMM_L2_WEIGHTS / (G * B5))), [&](int64_t nb0, int64_t nb1) {
+  parallel_chunks(NB, chunk_of(NB, least_columns(K, M), std::max<int64_t>(1, GEMM_L2_WEIGHTS / (G * BN))), [&](int64_t nb0, int64_t nb1) {
     thread_local std::vector<uint8_t> column;
     if ((int64_t)column.size() < G * B8) column.resize(G * B8);
     auto epi = epis();
     V::tiles_begin(M);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-      const uint8_t* src = w + nb * G * B5;
-      for (int64_t g = 0; g < G; ++g, src += B5) {
-        for (int64_t off = 0; off < B5; off += 64) _mm_prefetch((const char*)(src + GEMM_PF_BLOCKS * B5 + off), _MM_HINT_T2);
-        widen_block5<S, ZL>(src, column.data() + g * B8);
+      const uint8_t* src = w + nb * G * BN;
+      for (int64_t g = 0; g < G; ++g, src += BN) {
+        for (int64_t off = 0; off < BN; off += 64) _mm_prefetch((const char*)(src + GEMM_PF_BLOCKS * BN + off), _MM_HINT_T2);
+        widen_block<BITS, S, ZL>(src, column.data() + g * B8);
       }
       for (int64_t m0 = 0; m0 < M; m0 += V::MT_MAX)
         tile_rows<V, 8, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, M - m0), column.data(), G, qa, K, m0, y, ldy, nb * ROWS,
