@@ -143,22 +143,7 @@ struct Isa : Vec512 {
     } else {
       for (int c = 0; c < 8; ++c) code[c] = _mm512_loadu_si512(wp + c * 64);
     }
-    for (int i = 0; i < MT; ++i) {
-      const I init = Z ? _mm512_set1_epi32(xs[i]) : _mm512_setzero_si512();   // the zero point's term, -Z sum(xq)
-      if constexpr (MT >= 4) {   // one chain per row: the rows' chains hide each other's latency
-        I s = init;
-        for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, code[c], _mm512_set1_epi32(xp[8 * i + c]));
-        dot[i] = s;
-      } else {                   // two chains per row, added at the end
-        I s0 = _mm512_dpbusd_epi32(init, code[0], _mm512_set1_epi32(xp[8 * i]));
-        I s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), code[1], _mm512_set1_epi32(xp[8 * i + 1]));
-        for (int c = 2; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, code[c], _mm512_set1_epi32(xp[8 * i + c]));
-          s1 = _mm512_dpbusd_epi32(s1, code[c + 1], _mm512_set1_epi32(xp[8 * i + c + 1]));
-        }
-        dot[i] = _mm512_add_epi32(s0, s1);
-      }
-    }
+    vnni_rows<Isa, MT, Z>(code, xp, xs, dot);
   }
 };
 

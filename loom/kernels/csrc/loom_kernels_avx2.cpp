@@ -68,22 +68,7 @@ struct Isa : Vec256 {
   LOOM_INLINE static void dots(const uint8_t* wp, int h, const int32_t* xp, const int16_t*, const int32_t* xs, I* dot) {
     I code[8];
     load_codes<BITS>(wp, h, code);
-    for (int i = 0; i < MT; ++i) {
-      const I init = Z ? _mm256_set1_epi32(xs[i]) : _mm256_setzero_si256();   // -Z sum(xq)
-      if constexpr (MT >= 4) {   // one chain per row: the rows' chains hide each other's latency
-        I s = init;
-        for (int c = 0; c < 8; ++c) s = _mm256_dpbusd_avx_epi32(s, code[c], _mm256_set1_epi32(xp[8 * i + c]));
-        dot[i] = s;
-      } else {                   // two chains per row, added at the end
-        I s0 = _mm256_dpbusd_avx_epi32(init, code[0], _mm256_set1_epi32(xp[8 * i]));
-        I s1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), code[1], _mm256_set1_epi32(xp[8 * i + 1]));
-        for (int c = 2; c < 8; c += 2) {
-          s0 = _mm256_dpbusd_avx_epi32(s0, code[c], _mm256_set1_epi32(xp[8 * i + c]));
-          s1 = _mm256_dpbusd_avx_epi32(s1, code[c + 1], _mm256_set1_epi32(xp[8 * i + c + 1]));
-        }
-        dot[i] = _mm256_add_epi32(s0, s1);
-      }
-    }
+    vnni_rows<Isa, MT, Z>(code, xp, xs, dot);
   }
 #else
   // Whether a matrix of this code width and zero point takes the integer zero-point path. Full

@@ -119,6 +119,12 @@ struct Vec512 {
   static Mask ge(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
   static F select(Mask m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
 
+  static I set1_i32(int32_t x) { return _mm512_set1_epi32(x); }
+  static I add_i32(I a, I b) { return _mm512_add_epi32(a, b); }
+#if defined(__AVX512VNNI__)
+  static I dpbusd(I acc, I u8, I s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }   // acc + <u8, s8> per 4 bytes
+#endif
+
   static int32_t store_s8(int8_t* dst, const F* v) {
     const __m512i q0 = _mm512_cvtps_epi32(v[0]), q1 = _mm512_cvtps_epi32(v[1]);
     _mm_storeu_si128((__m128i*)dst, _mm512_cvtsepi32_epi8(q0));
@@ -200,6 +206,12 @@ struct Vec256 {
   static F select(Mask m, F a, F b) { return _mm256_blendv_ps(b, a, m); }
 
   // 32 int8 codes in order (the per-lane packing undone); returns their sum
+  static I set1_i32(int32_t x) { return _mm256_set1_epi32(x); }
+  static I add_i32(I a, I b) { return _mm256_add_epi32(a, b); }
+#if defined(__AVXVNNI__)
+  static I dpbusd(I acc, I u8, I s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }   // acc + <u8, s8> per 4 bytes
+#endif
+
   static int32_t store_s8(int8_t* dst, const F* v) {
     const I b = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_cvtps_epi32(v[0]), _mm256_cvtps_epi32(v[1])),
                                    _mm256_packs_epi32(_mm256_cvtps_epi32(v[2]), _mm256_cvtps_epi32(v[3])));
@@ -227,6 +239,32 @@ LOOM_INLINE __m512i fifth_bit(__m512i plane, int c) {
 #endif
 
 // ---- vector math over any V -----------------------------------------------------------------
+
+// The VNNI dot products of one 32-group for MT activation rows, given its 8 code vectors (code[c]
+// pairs with input dword c): dot[i] = sum_c VPDPBUSD(code[c], row i's dword c), started at xs[i]
+// (the zero point's term) where Z is set. One chain per row from 4 rows (the rows' chains hide
+// each other's latency), two per row below that, added at the end. V needs dpbusd (AVX-512 VNNI,
+// or AVX-VNNI on 256 bits).
+template <class V, int MT, int Z>
+LOOM_INLINE void vnni_rows(const typename V::I* code, const int32_t* xp, const int32_t* xs, typename V::I* dot) {
+  using I = typename V::I;
+  for (int i = 0; i < MT; ++i) {
+    const I init = V::set1_i32(Z ? xs[i] : 0);   // -Z sum(xq)
+    if constexpr (MT >= 4) {
+      I s = init;
+      for (int c = 0; c < 8; ++c) s = V::dpbusd(s, code[c], V::set1_i32(xp[8 * i + c]));
+      dot[i] = s;
+    } else {
+      I s0 = V::dpbusd(init, code[0], V::set1_i32(xp[8 * i]));
+      I s1 = V::dpbusd(V::set1_i32(0), code[1], V::set1_i32(xp[8 * i + 1]));
+      for (int c = 2; c < 8; c += 2) {
+        s0 = V::dpbusd(s0, code[c], V::set1_i32(xp[8 * i + c]));
+        s1 = V::dpbusd(s1, code[c + 1], V::set1_i32(xp[8 * i + c + 1]));
+      }
+      dot[i] = V::add_i32(s0, s1);
+    }
+  }
+}
 
 // exp(x): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6 polynomial (rel. err ~2e-7).
 template <class V>
