@@ -463,7 +463,7 @@ void add_rmsnorm(torch::Tensor h, torch::Tensor y, torch::Tensor w, double eps) 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &loom::qgemm, "quantized GEMM with fused activation pre-op");
   m.def("amx_tiles", [] { return loom::Isa::kAmx && loom::amx_allowed<loom::Isa>(); },
-        "whether GEMMs of 16 or more rows run their 8-bit tiles on AMX here (built with it, granted by the kernel, LOOM_AMX not 0)");
+        "whether GEMMs of 16 or more rows (32 over 4-bit codes) run their tiles on AMX here (built with it, granted by the kernel, LOOM_AMX not 0)");
   m.def("rope_store", &loom::rope_store, "per-head norm + RoPE of q/k in place, store k/v in the cache", py::arg("qkv"),
         py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
         py::arg("H"), py::arg("Hkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("kv_format") = 0);

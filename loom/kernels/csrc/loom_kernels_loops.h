@@ -450,7 +450,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
                                                                                                      : Fetch::again;
   parallel_chunks(NB, chunk_of(NB, least_columns(K, M), NC), [&](int64_t nb0, int64_t nb1) {
     auto epi = epis();
-    V::tiles_begin(M);
+    if constexpr (BITS == 8) V::tiles_begin(M);   // only 8-bit tiles run on AMX (others: gemm_widened)
     for (int64_t nc0 = nb0; nc0 < nb1; nc0 += NC) {
       const int64_t nc1 = std::min(nc0 + NC, nb1);
       for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
