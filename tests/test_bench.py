@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from loom.bench import peers as bench_peers
 from loom.bench.peers import PeerKind, parse_peers
+from loom.bench.peers.base import RunTiming, request_timing
 from loom.bench.prompts import load_spec_bench
 from loom.bench.report import metrics
 from loom.bench.settings import BenchError, BenchSettings
@@ -73,6 +74,22 @@ def test_quick_bench_reports_every_metric_and_skips_missing_peer(tiny_llama_path
         assert level["output_tokens"] == n * settings["max_tokens"]
         assert level["wall_seconds"] > 0
     assert {p.name for p in plot_dir.iterdir()} == {"throughput.png", "latency.png", "single_stream.png"}
+
+
+def test_decode_throughput_counts_only_the_window_where_every_request_decodes() -> None:
+    """Request a's first token comes at 1.0 s, b's (a longer prompt) at 1.5 s; both then get a
+    token every 0.1 s, a finishing first. In [1.5, a's last token] both decode: 2 tokens / 0.1 s."""
+    a = [1.0 + 0.1 * i for i in range(11)]            # 1.0 .. 2.0
+    b = [1.5] + [1.6 + 0.1 * i for i in range(10)]    # 1.5, then 1.6 .. 2.5
+    run = RunTiming(2.5, [request_timing(0.0, a[0], a[-1], len(a), a), request_timing(0.0, b[0], b[-1], len(b), b)])
+    assert run.decode_throughput() == pytest.approx(20.0)
+    assert run.output_tokens / run.wall_seconds == pytest.approx(8.8)   # prefill and the tail included
+    # one request: its own tokens per second after the first
+    assert RunTiming(2.0, run.requests[:1]).decode_throughput() == pytest.approx(10.0)
+    # without token times, or with no moment where both decode: no figure
+    assert RunTiming(2.5, [request_timing(0.0, 1.0, 2.0, 11)]).decode_throughput() is None
+    late = [3.0 + 0.1 * i for i in range(11)]
+    assert RunTiming(4.0, [run.requests[0], request_timing(0.0, 3.0, 4.0, 11, late)]).decode_throughput() is None
 
 
 def test_parallel_suites_quick(tiny_llama_path: Path, prompts_file: Path, tmp_path: Path) -> None:

@@ -59,6 +59,8 @@ def metrics(settings: dict[str, Any]) -> list[Metric]:
         out += [
             Metric(f"c{n}_throughput_tok_s", "output throughput", "tok/s", True, section,
                    _path("concurrency", c, "throughput_tok_s")),
+            Metric(f"c{n}_decode_tok_s", "decode, all decoding", "tok/s", True, section,
+                   _path("concurrency", c, "decode_tok_s")),
             Metric(f"c{n}_ttft_p50_ms", "TTFT p50", "ms", False, section, _path("concurrency", c, "ttft_ms", "p50")),
             Metric(f"c{n}_ttft_p99_ms", "TTFT p99", "ms", False, section, _path("concurrency", c, "ttft_ms", "p99")),
             Metric(f"c{n}_tpot_p50_ms", "TPOT p50", "ms", False, section, _path("concurrency", c, "tpot_ms", "p50")),
@@ -162,7 +164,9 @@ def notes(report: dict[str, Any]) -> list[str]:
              f"decode: {s['decode_tokens']} new tokens, timed from the first token to the last; prefill: time to "
              f"first token of a {s['prefill_tokens']}-token prompt, median of {s['prefill_repeats']}",
              f"concurrency N: N requests submitted at once, {s['max_tokens']} new tokens each; throughput = all "
-             f"output tokens / wall time; TTFT = time to first token, TPOT = time per output token after the first",
+             f"output tokens / wall time; decode = output tokens per second while all N decode (from the last first "
+             f"token to the first finish, no prefill in it); TTFT = time to first token, TPOT = time per output "
+             f"token after the first",
              "all engines decode greedily past EOS from the same token ids",
              "load time: the engine's model load in its worker, after its libraries are imported; peak RSS: "
              "the worker's high-water mark over load and every suite; serve start: `loom serve` from "

@@ -18,11 +18,13 @@ from loom.bench.settings import Capacity
 
 @dataclass(frozen=True)
 class RequestTiming:
-    """One request of a run: time to first token, mean time per later token, tokens produced."""
+    """One request of a run: time to first token, mean time per later token, tokens produced, and
+    when each token existed (seconds after submission; empty where the engine cannot say)."""
 
     ttft: float
     tpot: float | None  # None when only one token was generated
     output_tokens: int
+    token_times: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,27 @@ class RunTiming:
     def output_tokens(self) -> int:
         return sum(r.output_tokens for r in self.requests)
 
+    def decode_throughput(self) -> float | None:
+        """Output tokens per second while every request decodes: over the window from the last
+        request's first token to the first request's last one (all requests past their prompts,
+        none finished), the tokens produced in it over its length. Free of the prompts' prefill,
+        which the wall time includes. None without such a window or without token times."""
+        reqs = self.requests
+        if not reqs or any(len(r.token_times) != r.output_tokens or r.output_tokens < 2 for r in reqs):
+            return None
+        lo, hi = max(r.token_times[0] for r in reqs), min(r.token_times[-1] for r in reqs)
+        if hi <= lo:
+            return None
+        return sum(lo < t <= hi for r in reqs for t in r.token_times) / (hi - lo)
 
-def request_timing(submitted: float, first: float, last: float, tokens: int) -> RequestTiming:
-    """Timing of a request submitted at `submitted` whose first/last tokens came at `first`/`last`."""
+
+def request_timing(submitted: float, first: float, last: float, tokens: int,
+                   token_times: Sequence[float] = ()) -> RequestTiming:
+    """Timing of a request submitted at `submitted` whose first/last tokens came at `first`/`last`
+    (`token_times`: every token's time, if known)."""
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return RequestTiming(ttft=first - submitted, tpot=tpot, output_tokens=tokens)
+    return RequestTiming(ttft=first - submitted, tpot=tpot, output_tokens=tokens,
+                         token_times=tuple(t - submitted for t in token_times))
 
 
 @dataclass

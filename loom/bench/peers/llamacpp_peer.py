@@ -94,12 +94,15 @@ class LlamaCppPeer(Peer):
             stamp = now()
             for _, seq in done:
                 first[seq] = stamp
+        stamps = []
         for step in range(1, max_tokens):
             self._decode(ctx, batch, [(next_token[s], len(prompts[s]) + step - 1, s, True) for s in range(n)])
             next_token = self._argmax_all(ctx, n)
+            stamps.append(now())
         end = now()
         last = [end if max_tokens > 1 else first[s] for s in range(n)]
-        return RunTiming(end - start, [request_timing(start, first[s], last[s], max_tokens) for s in range(n)])
+        return RunTiming(end - start, [request_timing(start, first[s], last[s], max_tokens, [first[s], *stamps])
+                                       for s in range(n)])
 
     def close(self) -> None:
         self.llm.close()

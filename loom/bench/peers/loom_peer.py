@@ -39,9 +39,12 @@ class LoomPeer(Peer):
         engine = self.engine
         start = now()
         ids = [engine.add_request({"prompt_token_ids": list(p)}, params) for p in prompts]
-        finished = {}
+        finished, times = {}, {rid: [] for rid in ids}
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            outs = engine.step()
+            stamp = now()
+            for out in outs:
+                times[out.request_id] += [stamp] * len(out.outputs[0].delta_token_ids)
                 if out.finished:
                     finished[out.request_id] = out
         wall = now() - start
@@ -52,5 +55,5 @@ class LoomPeer(Peer):
             if m is None or m.first_token_time is None or m.last_token_time is None:
                 raise RuntimeError(f"request {rid} finished without token timestamps")
             timings.append(request_timing(m.arrival_time, m.first_token_time, m.last_token_time,
-                                          len(out.outputs[0].token_ids)))
+                                          len(out.outputs[0].token_ids), times[rid]))
         return RunTiming(wall, timings)

@@ -60,7 +60,8 @@ class TransformersPeer(Peer):
             raise RuntimeError("generate() produced no tokens")
         first, last = clock.times[0], clock.times[-1]
         tpot = (last - first) / (produced - 1) if produced > 1 else None
-        timing = RequestTiming(ttft=first - start, tpot=tpot, output_tokens=produced)
+        timing = RequestTiming(ttft=first - start, tpot=tpot, output_tokens=produced,
+                               token_times=tuple(t - start for t in clock.times[:produced]))
         return RunTiming(wall, [timing] * len(prompts))
 
     def prefill(self, prompt: Sequence[int]) -> float:

@@ -1,7 +1,10 @@
 """Concurrency sweep: N requests submitted at once, each generating `max_tokens` past EOS.
 
 Per level: aggregate output throughput (all output tokens / wall time from submission to the
-last finish) and the p50/p99 of per-request TTFT and time per output token.
+last finish), aggregate decode throughput (output tokens per second while all N requests decode:
+from the last request's first token to the first request's last, so without the prompts'
+prefill; the levels' prompt sets differ in length) and the p50/p99 of per-request TTFT and time
+per output token.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class ConcurrencySuite(Suite):
                 "output_tokens": run.output_tokens,
                 "wall_seconds": run.wall_seconds,
                 "throughput_tok_s": run.output_tokens / run.wall_seconds,
+                "decode_tok_s": run.decode_throughput(),
                 "ttft_ms": _ms([r.ttft for r in run.requests]),
                 "tpot_ms": _ms(tpots) if tpots else None,
             }
