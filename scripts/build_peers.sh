@@ -41,7 +41,9 @@ build_llama_cpp_python() {
   local venv="${VENV:-.venv}"
   CMAKE_ARGS="$(llama_cmake_flags)" nice -n 15 "$venv/bin/pip" install --no-cache-dir --force-reinstall --no-deps \
     "llama-cpp-python==$LLAMA_CPP_PYTHON"
-  "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+  # its dependencies (diskcache, ...), without rebuilding it or reinstalling loom's numpy
+  "$venv/bin/pip" install "llama-cpp-python==$LLAMA_CPP_PYTHON"
+  "$venv/bin/python" -c "import llama_cpp.llama; print('llama-cpp-python', llama_cpp.__version__)"
 }
 
 build_llama_server() {
