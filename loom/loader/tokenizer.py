@@ -397,7 +397,9 @@ def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> tuple[_Backend, list[
     alphabet = set(table.values())
     # Tokens are stored in the byte alphabet; one that is not (a mislabeled added token) is
     # respelled byte by byte, as transformers does, and stays an ordinary vocabulary entry.
-    spelled = [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
+    # (one check over all tokens first: a quarter of the time of one per token)
+    spelled = tokens if set("".join(tokens)) <= alphabet else \
+        [t if set(t) <= alphabet else "".join(table[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = dict(zip(spelled, range(len(spelled))))
     try:
         pairs = [tuple(m.split(" ")) for m in merges]
