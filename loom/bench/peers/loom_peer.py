@@ -39,12 +39,12 @@ class LoomPeer(Peer):
         engine = self.engine
         start = now()
         ids = [engine.add_request({"prompt_token_ids": list(p)}, params) for p in prompts]
-        finished, times = {}, {rid: [] for rid in ids}
+        finished, times = {}, {}
         while engine.has_unfinished_requests():
             outs = engine.step()
             stamp = now()
             for out in outs:
-                times[out.request_id] += [stamp] * len(out.outputs[0].delta_token_ids)
+                times.setdefault(out.request_id, []).extend([stamp] * len(out.outputs[0].delta_token_ids))
                 if out.finished:
                     finished[out.request_id] = out
         wall = now() - start
