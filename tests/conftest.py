@@ -8,6 +8,24 @@ from pathlib import Path
 
 import pytest
 
+
+def _mkl_code_path_for_amd() -> None:
+    """On AMD CPUs MKL's default dispatch runs torch's float32 GEMMs (the exact mode and the
+    transformers references) well under its AVX2 code path: Gemma 3's 262k-row output matrix at
+    10 rows took 0.29 s against 0.17 s with MKL_CBWR=AVX2 on a Zen 3 (2 threads), and the
+    reference tests' greedy runs 31 s / 34 s against 20 s / 20 s. Both sides of every comparison
+    run in this one environment; a user's setting is kept."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            amd = "AuthenticAMD" in f.read(4096)
+    except OSError:
+        return
+    if amd:
+        os.environ.setdefault("MKL_CBWR", "AVX2")
+
+
+_mkl_code_path_for_amd()  # before anything imports torch (MKL reads it once)
+
 # The repository root makes `loom` importable without installing it; tests/ makes the helper
 # modules here (tiny_gguf) importable from any test.
 _TESTS = Path(__file__).resolve().parent
