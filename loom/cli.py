@@ -355,6 +355,8 @@ def serve(
                                target_ongoing_requests, router, _json_option(autoscaling_config, "--autoscaling-config"))
     if cluster is not None:
         threads = cluster.threads
+    elif engine_process:
+        _start_engine_fork_server()
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
@@ -382,17 +384,22 @@ def _cors(origins: str, credentials: bool):
     return Cors(listed, credentials)
 
 
-def _serve_here(config, engine_process: bool, front: dict[str, Any]) -> None:
-    """One server on this machine. With an engine process, first the fork server it is forked
-    from (`ProcessEngineClient` uses it): that process imports the engine now, while this one
-    imports the HTTP front end, so the two imports (~1.5 s each) overlap."""
-    if engine_process:
-        import multiprocessing
-        import multiprocessing.forkserver
+def _start_engine_fork_server() -> None:
+    """The fork server the engine process is forked from (`ProcessEngineClient` uses it), started
+    before this process imports anything of the HTTP front end (loom.server, even for its CORS
+    settings): that process imports the engine while this one imports the front end, so the two
+    imports (~3-4 s each on a slow VM) overlap instead of running one after the other."""
+    import multiprocessing.forkserver
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["loom.server.engine_core"])
-        multiprocessing.forkserver.ensure_running()
-    from loom.server import run_server
+    from loom.server.engine_client import engine_process_context
+
+    engine_process_context()
+    multiprocessing.forkserver.ensure_running()
+
+
+def _serve_here(config, engine_process: bool, front: dict[str, Any]) -> None:
+    """One server on this machine (the engine's fork server already started, see above)."""
+    from loom.server.serve import run_server
 
     run_server(config, engine_process=engine_process, **front)
 

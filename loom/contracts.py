@@ -26,8 +26,10 @@ keeps an acceptance rate per source.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol
 
+from loom.outputs import CompletionOutput
 from loom.sampling_params import SamplingParams
 
 
@@ -169,3 +171,43 @@ class SpecHost:
     move_kv: Callable[[Any, Any], None]
     generator: Any
     constrain: Callable[[str, DraftTree, Any], "list[bool] | None"] = lambda req_id, tree, logits: None
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculative-decoding counts, vLLM's spec-decode metric semantics (the
+    speculative decoder keeps them, the server's metrics read them)."""
+
+    num_drafts: int = 0                 # trees verified
+    num_draft_tokens: int = 0           # their nodes
+    num_accepted_tokens: int = 0        # nodes accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [d]: trees whose node at depth d+1 was accepted
+
+
+# -- fanned-out requests (the server asks, the engine's request groups obey) ----------------
+
+# Seeds wrap into this range when derived (SamplingParams accepts [-(2**63), 2**64 - 1]).
+_SEED_SPAN = 2**64
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """The seed of child `index`: child 0 keeps the request seed (so n=1 and the first of n
+    agree); child i gets seed + i, wrapped into [0, 2**64)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % _SEED_SPAN
+
+
+class StopPolicy(Protocol):
+    """Decides when a group may end before all of its children finish (`Aggregator`s are ones)."""
+
+    def should_stop(self, children: Sequence[CompletionOutput]) -> bool:
+        """True once the group has what it needs; `children` holds every child's latest
+        output (finish_reason None while it runs)."""
+
+
+@dataclass(frozen=True)
+class FanOutOptions:
+    """Options of one fanned-out request beyond `SamplingParams`."""
+
+    stop_policy: StopPolicy | None = None  # None: wait for every child

@@ -30,6 +30,10 @@ class InvalidRequestError(LoomError, ValueError):
     """A request's prompt or sampling parameters are invalid."""
 
 
+class QueueFullError(InvalidRequestError):
+    """The bounded waiting queue is full; retry later."""
+
+
 class EngineDeadError(LoomError):
     """The engine (its process or thread) is gone: nothing can be served until it is restarted."""
 

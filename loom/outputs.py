@@ -12,8 +12,9 @@ which is what the offline API returns.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -90,3 +91,24 @@ class FinalOutputs:
     def add_all(self, outs: Iterable[RequestOutput]) -> list[RequestOutput]:
         """The final outputs among `outs` (see `add`)."""
         return [f for out in outs if (f := self.add(out)) is not None]
+
+
+async def stream_outputs(queue: asyncio.Queue, stopped_early: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as they arrive on `queue`, until the one that has `finished`. An
+    exception put on the queue is raised (the request is over: nothing to abort); if the
+    consumer stops before the end, `stopped_early()` runs (it aborts the request). Close it
+    with `contextlib.aclosing` so that happens at once."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        if not finished:
+            stopped_early()

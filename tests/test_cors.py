@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from loom.cli import _cors
 from loom.engine.async_engine import AsyncEngine
+from loom.server.in_process import InProcessEngineClient
 from loom.server.limits import Cors
 from loom.server.openai_api import build_app
 
@@ -19,7 +20,7 @@ BODY = {"prompt": "hello", "max_tokens": 1}
 
 
 def test_every_origin_by_default_and_preflights_pass_before_the_api_key(make_tiny):
-    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny", api_key="k")) as http:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(make_tiny())), served_model_name="tiny", api_key="k")) as http:
         pre = http.options("/v1/completions", headers=PREFLIGHT)
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
         assert "POST" in pre.headers["access-control-allow-methods"]
@@ -33,13 +34,13 @@ def test_every_origin_by_default_and_preflights_pass_before_the_api_key(make_tin
 
 def test_listed_origins_only_and_none_at_all(make_tiny):
     engine = make_tiny()
-    with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny",
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(engine)), served_model_name="tiny",
                               cors=Cors(("http://other.example",)))) as http:
         assert "access-control-allow-origin" not in http.post("/v1/completions", json=BODY,
                                                                headers={"Origin": PAGE}).headers
         r = http.post("/v1/completions", json=BODY, headers={"Origin": "http://other.example"})
         assert r.headers["access-control-allow-origin"] == "http://other.example"
-    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny", cors=None)) as http:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(make_tiny())), served_model_name="tiny", cors=None)) as http:
         assert http.options("/v1/completions", headers=PREFLIGHT).status_code == 405
         assert "access-control-allow-origin" not in http.post("/v1/completions", json=BODY,
                                                                headers={"Origin": PAGE}).headers

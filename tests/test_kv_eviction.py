@@ -297,10 +297,11 @@ def test_server_accepts_kv_eviction_and_refuses_bad_values(make_tiny):
     from fastapi.testclient import TestClient
 
     from loom.engine.async_engine import AsyncEngine
+    from loom.server.in_process import InProcessEngineClient
     from loom.server.openai_api import build_app
 
     engine = make_tiny(max_model_len=64)
-    with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny")) as client:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(engine)), served_model_name="tiny")) as client:
         body = {"model": "tiny", "prompt": list(range(5, 85)), "max_tokens": 40, "temperature": 0,
                 "ignore_eos": True}
         assert client.post("/v1/completions", json=body).status_code == 400          # past the context

@@ -7,6 +7,8 @@ Every `import` and `from ... import` under loom/ counts, inside functions and un
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -102,3 +104,14 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     """The graph counts an import placed inside a function."""
     tree = ast.parse("def f():\n    from loom.engine.engine import Engine\n")
     assert [u for node in ast.walk(tree) for u in _imported_units(node)] == ["engine"]
+
+
+def test_the_http_front_end_imports_neither_torch_nor_the_engine():
+    """`loom serve`'s front end process (the CLI, the app, the engine-process client) starts
+    without torch: the engine process imports it, in parallel (docs/architecture.md, "Start
+    and stop")."""
+    code = ("import sys, loom.cli, loom.server.serve, loom.server.openai_api; "
+            "print(sorted(m for m in ('torch', 'loom.engine.engine', 'loom.model', 'loom.kernels') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=LOOM.parent, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -22,7 +22,7 @@ import torch
 from loom.config import CacheConfig, EngineConfig, SchedulerConfig
 from loom.contracts import RunnerOutput
 from loom.engine.engine import Engine
-from loom.engine.groups import derive_seed
+from loom.contracts import derive_seed
 from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
 from loom.errors import InvalidRequestError
@@ -418,10 +418,11 @@ def api(make_engine):
     from fastapi.testclient import TestClient
 
     from loom.engine.async_engine import AsyncEngine
+    from loom.server.in_process import InProcessEngineClient
     from loom.server.openai_api import build_app
 
     engine = make_engine()
-    with TestClient(build_app(AsyncEngine(engine), served_model_name="tiny")) as client:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(engine)), served_model_name="tiny")) as client:
         yield client, engine
 
 

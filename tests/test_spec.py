@@ -922,16 +922,17 @@ def test_prediction_on_the_server_reports_its_accepted_and_rejected_tokens(tiny_
     from fastapi.testclient import TestClient
 
     from loom.engine.async_engine import AsyncEngine
+    from loom.server.in_process import InProcessEngineClient
     from loom.server.openai_api import build_app
 
     body = {"prompt": "the cat sat on the mat", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    with TestClient(build_app(AsyncEngine(tiny_engine(tiny_parts)), served_model_name="tiny")) as http:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(tiny_engine(tiny_parts))), served_model_name="tiny")) as http:
         r = http.post("/v1/completions", json=body | {"prediction": {"type": "content", "content": "x"}})
         assert r.status_code == 400 and "needs speculative decoding" in r.text
         plain = http.post("/v1/completions", json=body).json()
         assert "completion_tokens_details" not in plain["usage"]
     spec = tiny_engine(tiny_parts, {"method": "auto", "adaptive": False})
-    with TestClient(build_app(AsyncEngine(spec), served_model_name="tiny")) as http:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(spec)), served_model_name="tiny")) as http:
         text = plain["choices"][0]["text"]
         done = http.post("/v1/completions", json=body | {"prediction": {"type": "content", "content": text}}).json()
         assert done["choices"][0]["text"] == text

@@ -384,9 +384,10 @@ def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny)
     from fastapi.testclient import TestClient
 
     from loom.engine.async_engine import AsyncEngine
+    from loom.server.in_process import InProcessEngineClient
     from loom.server.openai_api import build_app
 
-    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny")) as http:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(make_tiny())), served_model_name="tiny")) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
         ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT],
                    tool_choice="required", parallel_tool_calls=False, max_completion_tokens=200, temperature=0)
@@ -465,9 +466,10 @@ def tiny_client(make_tiny):
     from fastapi.testclient import TestClient
 
     from loom.engine.async_engine import AsyncEngine
+    from loom.server.in_process import InProcessEngineClient
     from loom.server.openai_api import build_app
 
-    with TestClient(build_app(AsyncEngine(make_tiny()), served_model_name="tiny")) as http:
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(make_tiny())), served_model_name="tiny")) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
 
 

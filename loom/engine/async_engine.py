@@ -13,34 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
-from loom.outputs import RequestOutput
+from loom.outputs import RequestOutput, stream_outputs
 from loom.sampling_params import SamplingParams
-
-
-async def stream_outputs(queue: asyncio.Queue, stopped_early: Callable[[], None]) -> AsyncIterator[RequestOutput]:
-    """A request's outputs as they arrive on `queue`, until the one that has `finished`. An
-    exception put on the queue is raised (the request is over: nothing to abort); if the
-    consumer stops before the end, `stopped_early()` runs (it aborts the request). Close it
-    with `contextlib.aclosing` so that happens at once."""
-    finished = False
-    try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                finished = True
-                raise item
-            yield item
-            if item.finished:
-                finished = True
-                return
-    finally:
-        if not finished:
-            stopped_early()
 
 
 class AsyncEngine:

@@ -13,12 +13,13 @@ import psutil
 import torch
 
 from loom.config import EngineConfig, physical_cores
+from loom.contracts import FanOutOptions, derive_seed
 from loom.engine.allocator import tune_malloc
 from loom.engine.detokenize import OutputState
-from loom.engine.groups import ChildSpec, FanOutOptions, RequestGroups, child_request, derive_seed, per_child_appends
+from loom.engine.groups import ChildSpec, RequestGroups, child_request, per_child_appends
 from loom.engine.request import Request, RequestStatus, check_token_ids, token_controls
 from loom.engine.scheduler import Scheduler
-from loom.errors import InvalidRequestError
+from loom.errors import InvalidRequestError, QueueFullError
 from loom.kv.eviction import make_policy
 from loom.loader.cache import file_sha256
 from loom.loader.gguf import GGUFFile
@@ -365,5 +366,3 @@ class Engine:
         return self.scheduler.kv
 
 
-class QueueFullError(InvalidRequestError):
-    """The bounded waiting queue is full; retry later."""

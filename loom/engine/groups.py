@@ -39,44 +39,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from loom.engine.request import Request, RequestStatus, check_token_ids
+from loom.contracts import FanOutOptions, derive_seed
 from loom.errors import InvalidRequestError
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from loom.engine.engine import Engine  # the groups' owner
-
-# Seeds wrap into this range when derived (SamplingParams accepts [-(2**63), 2**64 - 1]).
-_SEED_SPAN = 2**64
-
-
-def derive_seed(seed: int | None, index: int) -> int | None:
-    """The seed of child `index`: child 0 keeps the request seed (so n=1 and the first of n
-    agree); child i gets seed + i, wrapped into [0, 2**64)."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index) % _SEED_SPAN
-
-
-class StopPolicy(Protocol):
-    """Decides when a group may end before all of its children finish (`Aggregator`s are ones)."""
-
-    def should_stop(self, children: Sequence[CompletionOutput]) -> bool:
-        """True once the group has what it needs; `children` holds every child's latest
-        output (finish_reason None while it runs)."""
-
-
-@dataclass(frozen=True)
-class FanOutOptions:
-    """Options of one fanned-out request beyond `SamplingParams`."""
-
-    stop_policy: StopPolicy | None = None  # None: wait for every child
-
 
 @dataclass(frozen=True)
 class ChildSpec:

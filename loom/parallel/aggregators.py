@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.engine.groups import FanOutOptions
+from loom.contracts import FanOutOptions
 from loom.errors import InvalidRequestError
 from loom.outputs import CompletionOutput, FinalOutputs
 

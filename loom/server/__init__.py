@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server: `build_app(engine_client, ...)` and `run_server(...)`."""
+"""The OpenAI-compatible HTTP server: `openai_api.build_app(engine_client, ...)` and
+`serve.run_server(...)`.
 
-from loom.server.openai_api import build_app
-from loom.server.serve import run_server
-
-__all__ = ["build_app", "run_server"]
+The package itself imports nothing: the engine process's fork server imports
+`loom.server.engine_core` (the engine, torch) and should not pay for the HTTP front end
+(FastAPI, pydantic models) it never runs.
+"""

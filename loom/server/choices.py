@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from loom.engine.async_engine import AsyncEngine
-from loom.engine.groups import FanOutOptions, derive_seed
+from loom.contracts import FanOutOptions, derive_seed
 from loom.errors import EngineDeadError
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.parallel.aggregators import Aggregator, create_aggregator
 from loom.sampling_params import SamplingParams
+from loom.server.engine_client import EngineClient
 from loom.server.errors import ApiError, ClientDisconnected
 from loom.server.metrics import RequestTracker
 from loom.server.protocol import LoomChild, LoomOptions, LoomResponse, LoomResult
@@ -70,7 +70,7 @@ class _Prompt:
 class ChoiceGroup:
     """The engine requests behind one API call; see the module docstring for the rules."""
 
-    def __init__(self, ae: AsyncEngine, prompts: list[_Prompt], params: SamplingParams, n: int, priority: int,
+    def __init__(self, ae: EngineClient, prompts: list[_Prompt], params: SamplingParams, n: int, priority: int,
                  tracker: Callable[[], RequestTracker] | None, fanout: FanOutOptions | None = None):
         self._ae = ae
         self._prompts = prompts
@@ -206,7 +206,7 @@ def _choice_output(out: RequestOutput, c: CompletionOutput) -> RequestOutput:
                          out.metrics, out.num_cached_tokens, out.prompt_logprobs)
 
 
-def fan_out(ae: AsyncEngine, prompts: list[str | list[int] | dict], params: SamplingParams, n: int,
+def fan_out(ae: EngineClient, prompts: list[str | list[int] | dict], params: SamplingParams, n: int,
             request_id: str, priority: int = 0, tracker: Callable[[], RequestTracker] | None = None, *,
             best_of: int | None = None, fanout: FanOutOptions | None = None) -> ChoiceGroup:
     """Submits one engine request per prompt, each with n choices (best_of generated);

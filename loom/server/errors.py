@@ -21,8 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loom.engine.engine import QueueFullError
-from loom.errors import EngineDeadError, LoomError
+from loom.errors import EngineDeadError, LoomError, QueueFullError
 from loom.server.protocol import IGNORED_FIELDS, ErrorInfo, ErrorResponse
 
 # Seconds a client told "queue full" should wait before retrying.

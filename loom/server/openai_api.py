@@ -36,12 +36,11 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
-from loom.engine.async_engine import AsyncEngine
 from loom.errors import EngineDeadError, LoomError, TokenizerError
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
-from loom.server.engine_client import EngineClient, InProcessEngineClient
+from loom.server.engine_client import EngineClient
 from loom.server.errors import (
     ENGINE_RETRY_AFTER_SECONDS,
     INVALID_REQUEST,
@@ -753,11 +752,12 @@ def _finish_openapi(app: FastAPI, chunk_models: list[type], **limits: Any) -> No
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None, served_model_name: str | None = None,
+def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
               max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               cors: Cors | None = Cors()) -> FastAPI:
-    """The FastAPI app serving `engine` (an engine client, or an `AsyncEngine` to run in this
-    process); the engine starts and stops with the app.
+    """The FastAPI app serving the engine behind `ae` (an engine client: its own process, or
+    `in_process.InProcessEngineClient` around an `AsyncEngine`); the engine starts and stops
+    with the app.
 
     served_model_name: the name clients must send as `model` (default: the registry name, or
         the file stem of a .gguf path).
@@ -766,7 +766,6 @@ def build_app(engine: EngineClient | AsyncEngine, *, api_key: str | None = None,
     cors: cross-origin access (default: every origin, as vLLM's); None leaves the headers to a
         proxy in front (a cluster's ingress).
     """
-    ae = InProcessEngineClient(engine) if isinstance(engine, AsyncEngine) else engine
     name = served_model_name or default_served_name(ae.model_name)
     metrics = ServerMetrics(ae, name)
     serving = OpenAIServing(ae, name, max_tokens_limit, metrics)

@@ -37,14 +37,14 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
 from loom.config import SpeculativeConfig
-from loom.contracts import GRAMMAR_DEAD_END, DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost
+from loom.contracts import (GRAMMAR_DEAD_END, DraftTree, RunnerOutput, ScheduledSeq, SchedulerOutput, SpecHost,
+                            SpecStats)
 from loom.kernels import topk_indices
 from loom.sample.sampler import argmax_rows
 from loom.speculative.calibration import Grid, calibrated, measure
@@ -59,16 +59,6 @@ OBSERVE_PLAIN_BATCH = 2                  # sequences per step that feed the draf
 # One SmolLM2 stream over six Spec-Bench categories: 1.32x -> 1.41x plain decoding (geomean);
 # 8 streams: 2% slower (extraction, roleplay), the matches' drafts not paying for the full plans.
 HINT_MAX_BATCH = 1
-
-
-@dataclass
-class SpecStats:
-    """Cumulative counts, vLLM's spec-decode metric semantics."""
-
-    num_drafts: int = 0                 # trees verified
-    num_draft_tokens: int = 0           # their nodes
-    num_accepted_tokens: int = 0        # nodes accepted
-    accepted_per_pos: list[int] = field(default_factory=list)  # [d]: trees whose node at depth d+1 was accepted
 
 
 def behind(cands: list[str], caps: list[int], lefts: list[int]) -> tuple[list[str], list[int]]:

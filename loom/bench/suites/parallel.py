@@ -118,7 +118,7 @@ class ParallelCostSuite(Suite):
 
     @staticmethod
     def _measure(ctx: SuiteContext, prompt: list[int], n: int, mode: str) -> dict[str, Any]:
-        from loom.engine.groups import derive_seed
+        from loom.contracts import derive_seed
         from loom.sampling_params import SamplingParams
 
         s = ctx.settings

@@ -1,0 +1,52 @@
+"""`InProcessEngineClient`: the engine thread of an `AsyncEngine` in this process, behind the
+engine-client interface (loom/server/engine_client.py): `loom serve --no-engine-process`, a
+Ray Serve replica, and tests that build an app around an engine.
+
+Its own module, so that the HTTP front end of the default (the engine in its own process)
+never imports the engine and torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from loom.config import EngineConfig
+from loom.engine.async_engine import AsyncEngine
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.server.metrics import EngineSample, read_engine_sample
+
+
+class InProcessEngineClient:
+    """The engine thread of an `AsyncEngine` in this process, behind the client interface."""
+
+    def __init__(self, ae: AsyncEngine):
+        self.ae = ae
+        self.tokenizer = ae.tokenizer
+        self.model_name = str(ae.engine.model_name)
+        self.max_model_len = int(ae.engine.max_model_len)
+        self.vocab_size = int(ae.engine.model.cfg.vocab_size)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.ae.error
+
+    def start(self) -> None:
+        self.ae.start()
+
+    def shutdown(self) -> None:
+        self.ae.shutdown()
+
+    def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                 priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
+        return self.ae.generate(prompt, params, request_id, priority, fanout=fanout)
+
+    def abort(self, request_id: str) -> None:
+        self.ae.abort(request_id)
+
+    def stats(self) -> EngineSample:
+        return self.ae.snapshot(read_engine_sample)
+
+
+def in_process_client(config: EngineConfig) -> InProcessEngineClient:
+    return InProcessEngineClient(AsyncEngine.from_config(config))
