@@ -355,8 +355,6 @@ def serve(
                                target_ongoing_requests, router, _json_option(autoscaling_config, "--autoscaling-config"))
     if cluster is not None:
         threads = cluster.threads
-    elif engine_process:
-        _start_engine_fork_server()
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                                  max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
@@ -364,6 +362,8 @@ def serve(
                                  enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype, seed=seed,
                                  kv_eviction=_json_option(kv_eviction, "--kv-eviction"),
                                  speculative_config=_speculative(speculative_config, spec_datastore))
+    if cluster is None and engine_process:
+        _start_engine_fork_server()
     front = dict(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                  max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
                  access_log=access_log, cors=_cors(allowed_origins, allow_credentials))
@@ -473,13 +473,16 @@ def generate(
 ) -> None:
     """Generate a completion for one prompt, streaming text to stdout as it is produced."""
     from loom.config import EngineConfig
-    from loom.engine.engine import Engine
     from loom.sampling_params import SamplingParams
 
+    # the options are checked before the engine (and torch) is imported: a bad one fails at once
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_tokens=max_tokens, ignore_eos=ignore_eos)
-    engine = Engine(EngineConfig.create(model, threads=threads, kv_cache_dtype=kv_cache_dtype,
-                                        speculative_config=_speculative(speculative_config, spec_datastore)))
+    config = EngineConfig.create(model, threads=threads, kv_cache_dtype=kv_cache_dtype,
+                                 speculative_config=_speculative(speculative_config, spec_datastore))
+    from loom.engine.engine import Engine
+
+    engine = Engine(config)
     if chat:
         messages = [{"role": "user", "content": prompt}]
         request = {"prompt": engine.tokenizer.apply_chat_template(messages),
