@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import random
 
+import hf_reference
 import pytest
 import tiny_gguf
 import torch
-from conftest import spec_bench_questions
+from conftest import real_model_path, spec_bench_questions
 
 from loom.llm import LLM
 from loom.loader.gguf import GGUFFile
@@ -234,8 +235,6 @@ def greedy_prompts(tok: Tokenizer, n: int = 10, length: int = 32) -> list[list[i
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", REAL_MODELS)
 def test_greedy_tokens_match_transformers(real_models, name):
-    from transformers import GenerationConfig
-
     new_tokens = 64
     model, tok = real_models.loom(name)
     prompts = greedy_prompts(tok)
@@ -243,22 +242,9 @@ def test_greedy_tokens_match_transformers(real_models, name):
     outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                         sampling_params=SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
-
-    hf = real_models.hf(name)
-    # EOS disabled, as ignore_eos does: an unset eos_token_id in the call falls back to the
-    # model's generation config, so that one is cleared for the call too.
-    config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+    # transformers' continuations, generated once per machine and versions (tests/hf_reference.py)
+    ref = hf_reference.greedy(real_model_path(name), lambda: real_models.hf(name), prompts, new_tokens,
                               pad_token_id=tok.pad_token_id or 0)
-    model_eos = hf.generation_config.eos_token_id
-    hf.generation_config.eos_token_id = None
-    try:
-        with torch.inference_mode():
-            x = torch.tensor(prompts)
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=config)[:, x.shape[1]:]
-    finally:
-        hf.generation_config.eos_token_id = model_eos
-    ref = ref.tolist()
-
     assert all(len(r) == new_tokens for r in ref) and all(len(g) == new_tokens for g in got)
     matches = sum(g == r for g, r in zip(got, ref))
     print(f"\n{name}: {matches}/{len(prompts)} greedy continuations of {new_tokens} tokens identical to transformers")
