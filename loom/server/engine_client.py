@@ -15,8 +15,10 @@ The interface (what openai_api.py, choices and metrics use):
     reader task -> per-request queues   <- StepOutputs (one per step)            detokenization
     watches the process sentinel                                                 stop strings
 
-`InProcessEngineClient` wraps an `AsyncEngine` (engine thread in this process): the
-`--no-engine-process` mode, and tests that build an app around an engine.
+`InProcessEngineClient` (loom/server/in_process.py) wraps an `AsyncEngine` (engine thread in
+this process): the `--no-engine-process` mode, Ray Serve replicas, and tests that build an app
+around an engine. This module imports neither it nor the engine: the default front end runs
+without torch.
 
 When the engine process dies, every open stream gets `EngineDeadError` (a stream's error
 event; a non-streamed request's 503), new requests are refused with 503 + Retry-After, and
