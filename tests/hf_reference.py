@@ -97,6 +97,14 @@ def _cpu_identity() -> str:
     return f"{fields.get('model name', '').strip()} {' '.join(flags)}"
 
 
+def _read_json(path: Path):
+    """The JSON value in `path`, or None where it is missing or does not parse."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def greedy(path: Path, model: Callable[[], object], prompts: list[list[int]], new_tokens: int,
            pad_token_id: int = 0) -> list[list[int]]:
     """transformers' greedy continuations of `prompts` (one length, one unpadded batch),
@@ -108,12 +116,9 @@ def greedy(path: Path, model: Callable[[], object], prompts: list[list[int]], ne
     key = hashlib.sha256(json.dumps([prompts, new_tokens, pad_token_id, _cpu_identity(),
                                      os.environ.get("MKL_CBWR", "")]).encode()).hexdigest()[:16]
     saved = _cache_dir(path) / f"greedy-{key}.json"
-    try:
-        ref = json.loads(saved.read_text())
-        if len(ref) == len(prompts) and all(len(r) == new_tokens for r in ref):
-            return ref
-    except (OSError, ValueError):
-        pass
+    kept = _read_json(saved)
+    if isinstance(kept, list) and len(kept) == len(prompts) and all(len(r) == new_tokens for r in kept):
+        return kept
     hf = model()
     # an unset eos_token_id in the call falls back to the model's generation config, so that one
     # is cleared for the call too
