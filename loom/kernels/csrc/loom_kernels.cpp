@@ -20,33 +20,34 @@ namespace loom {
 
 struct Isa : Vec512 {
 #ifdef LOOM_AMX
-  // AMX (built where the CPU has AMX-INT8): in a GEMM of AMX_ROWS rows or more, a tile of 8
-  // activation rows over 8-bit codes (Q5_0's five bits and 4-bit codes widened to them) takes each group's
-  // 8 x 16 dot products from one TDPBSUD (s8 activations x u8 codes -> s32) instead of 64
-  // VPDPBUSD, four groups in flight in tiles 0-3 (activations in 4-5, codes in 6-7: a block's
-  // 8-bit codes are already the B tile's layout, 8 rows of 4 inputs x 16 outputs). The sums are
-  // the same integers, scaled as before, so the outputs equal the VNNI tiles' bit for bit. The
-  // per-group scaling is left as it was and bounds the gain: Gemma 3's 8-bit matrices at 32 rows
-  // ran 1.02-1.09x, 128 rows 1.04-1.17x, 8 rows 0.85-1.05x (a Xeon with AMX, benchmarks/gemm_rate.py);
-  // whole decode steps of 32 sequences 1.03-1.08x, prefill 1.04-1.12x. 4-bit codes are widened
-  // to bytes a block column at a time first (gemm_widened), from AMX_ROWS4 rows on: SmolLM2's
-  // 4-bit matrices ran 1.05-1.27x at 32 rows, 1.10-1.31x at 512, 0.90-0.96x at 16; its 512-token
-  // prefill 1.17-1.25x. Off with LOOM_AMX=0, or where the kernel does not grant the tile state
-  // (arch_prctl).
+  // AMX (built where the CPU has AMX-INT8): in a GEMM of AMX_ROWS rows or more, each tile of
+  // AMX_ROWS activation rows over 8-bit codes (Q5_0's five bits and 4-bit codes widened to them)
+  // takes each group's 16 x 16 dot products from one TDPBSUD (s8 activations x u8 codes -> s32)
+  // instead of 128 VPDPBUSD, four groups in flight in tiles 0-3 (activations in 4-5, codes in
+  // 6-7: a block's 8-bit codes are already the B tile's layout, 8 rows of 4 inputs x 16 outputs);
+  // the activations are quantized in panels of AMX_ROWS rows so that a group's rows are one tile.
+  // The sums are the same integers, scaled as before, so the outputs equal the VNNI tiles' bit
+  // for bit. Each group's sums pass through memory to be scaled (a tile has no move to vector
+  // registers), which bounds the gain. Tiles of 16 rows against the 8 of before (one TDPBSUD of
+  // 16 rows takes about as long as one of 8 on this core): 1.08-1.32x on Gemma 3's and SmolLM2's
+  // matrices at 32 rows, 1.15-1.30x at 128; whole decode steps of 32 sequences 1.17x (Gemma 3) and
+  // 1.09x (SmolLM2). Issuing the next groups' products before scaling the last ones' gained
+  // nothing. 4-bit codes are widened to bytes a block column at a time first (gemm_widened),
+  // from AMX_ROWS4 rows on. Off with LOOM_AMX=0, or where the kernel does not grant the tile
+  // state (arch_prctl).
   static constexpr bool kAmx = true;
   static constexpr int AMX_GROUPS = 4, AMX_ROWS = 16, AMX_ROWS4 = 32;
 
-  // LDTILECFG's 64 bytes: palette 1; tiles 0-7 of 8 rows, 64 bytes a row, 32 for the activations
-  // (4, 5); the rest zero. A constant in memory: GCC's _tile_loadconfig names only 8 bytes as read,
-  // so a configuration built on the stack loses the stores it thinks unread (and the instruction
-  // faults on the garbage in their place).
+  // LDTILECFG's 64 bytes: palette 1; tiles 0-5 of 16 rows (64 bytes a row, 32 for the
+  // activations in 4, 5), the codes' 6-7 of 8; the rest zero. A constant in memory: GCC's
+  // _tile_loadconfig names only 8 bytes as read, so a configuration built on the stack loses the
+  // stores it thinks unread (and the instruction faults on the garbage in their place).
   struct alignas(64) TileConfig {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
   };
-  static constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, GROUP, GROUP, 64, 64}, {8, 8, 8, 8, 8, 8, 8, 8}};
-  static_assert(MT_MAX == 8, "the tiles hold 8 activation rows");
+  static constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, GROUP, GROUP, 64, 64}, {16, 16, 16, 16, 16, 16, 8, 8}};
   static inline thread_local bool tiles_on = false;
 
   static bool amx_allowed() {
@@ -60,10 +61,13 @@ struct Isa : Vec512 {
     return ok;
   }
 
-  // a GEMM chunk of M rows: the tiles configured for 8-row tiles where M is AMX_ROWS or more
-  // (configured per chunk: other code on this thread, oneDNN's, may configure them its own way)
+  // whether a GEMM of M rows runs AMX tiles (for codes of this width)
+  static bool amx_rows(int64_t M, int bits) { return M >= (bits == 4 ? AMX_ROWS4 : AMX_ROWS) && amx_allowed(); }
+
+  // a GEMM chunk of M rows: the tiles configured where M is AMX_ROWS or more (configured per
+  // chunk: other code on this thread, oneDNN's, may configure them its own way)
   static void tiles_begin(int64_t M) {
-    tiles_on = M >= AMX_ROWS && amx_allowed();
+    tiles_on = amx_rows(M, 8);
     if (!tiles_on) return;
     _tile_loadconfig(&kTileConfig);
   }
@@ -74,9 +78,9 @@ struct Isa : Vec512 {
   }
 
   // out[j][i][r] = <activation row i, codes of output row r> of groups j < n (n <= 4): group j's
-  // codes at wp + j block, its 8 activation rows of 32 bytes at xq + j xstep
+  // codes at wp + j block, its AMX_ROWS activation rows of 32 bytes at xq + j xstep
   static void amx_dots(int n, const uint8_t* wp, int64_t block, const int8_t* xq, int64_t xstep,
-                       int32_t (*out)[MT_MAX][16]) {
+                       int32_t (*out)[AMX_ROWS][16]) {
     if (n == 4) {
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       _tile_loadd(4, xq, GROUP);

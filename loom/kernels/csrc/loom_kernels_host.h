@@ -91,7 +91,8 @@ torch::Tensor run_qgemm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
     constexpr int BITS = decltype(b)::value, ZL = decltype(zl)::value, Z = Isa::template zero_path<BITS, ZL>() ? ZL : 0;
     // wide: the tiles' dot products take the codes widened to int16 as well
     const bool wide = M > 1 && Isa::template wide_codes<BITS, Isa::MT_MAX, Z>();
-    quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide, Z);
+    const int64_t panel = Isa::amx_rows(M, BITS) ? Isa::AMX_ROWS : 0;   // AMX tiles take a panel's rows at once
+    quantize_acts<Isa>(x.data_ptr<float>(), M, K, x.stride(0), pre, nw, (float)eps, qa, wide, Z, panel);
     gemm<Isa, BITS, decltype(s), Z, ZL>(wp, N, K, M, qa, yp, ldy, accumulate, epis);
   });
   return y;

@@ -139,7 +139,8 @@ void quantize_row(const float* src, int64_t K, int64_t pre, const float* norm_w,
 }
 
 // The quantized activations in panels of P rows (a GEMM tile's rows: V::MT_MAX, or M where M is
-// smaller, so that one row stays contiguous), group-major within a panel: row m = p P + r, group
+// smaller, or an AMX tile's V::AMX_ROWS, whose register tiles then take half a panel each),
+// group-major within a panel: row m = p P + r, group
 // g is at [p][g][r] (codes: 32 bytes there). A tile then walks one pointer per operand, its rows
 // at fixed offsets, instead of MT row pointers (which spilled from the general registers at MT = 8).
 struct QuantActs {
@@ -153,11 +154,12 @@ struct QuantActs {
 };
 
 // wide: also the codes as int16 in qa.xw (the same layout), for dot products that take them;
-// zero: the GEMM's zero point Z (QuantActs::xs)
+// zero: the GEMM's zero point Z (QuantActs::xs); panel: the panels' height where the GEMM's AMX
+// tiles take a panel's rows at once (0: a register tile's, V::MT_MAX or M)
 template <class V>
 void quantize_acts(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t pre, const float* norm_w,
-                   float eps, QuantActs& qa, bool wide = false, int zero = 0) {
-  const int64_t P = qa.P = std::clamp<int64_t>(M, 1, V::MT_MAX);
+                   float eps, QuantActs& qa, bool wide = false, int zero = 0, int64_t panel = 0) {
+  const int64_t P = qa.P = panel > 0 ? panel : std::clamp<int64_t>(M, 1, V::MT_MAX);
   const int64_t G = K / GROUP, rows = (M + P - 1) / P * P;
   qa.xq.resize(rows * K);
   qa.d.resize(rows * G);
@@ -303,38 +305,38 @@ LOOM_INLINE void tile_part(const uint8_t* w, int64_t G, const QuantActs& qa, int
   const int64_t P = qa.P;
   for (int p = 0; p < NP; ++p)
     for (int i = 0; i < MT; ++i) acc[p][i] = V::zero();
-  // the panel of rows m0 .. m0 + P (m0 is a multiple of P, MT <= P): group g's rows at [g][i]
-  const int32_t* xq = (const int32_t*)(qa.xq.data() + m0 * K);
-  const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + m0 * K : nullptr;
-  const int32_t* xs = qa.xs.data() + m0 * G;
-  const float *d = qa.d.data() + m0 * G, *s = qa.s.data() + m0 * G;
-  if constexpr (V::kAmx && BITS == 8 && MT == V::MT_MAX && NP == 1) {
-    if (V::tiles_on) {   // AMX: four groups' dot products at a time, each scaled as below
-      alignas(64) int32_t out[V::AMX_GROUPS][MT][16];
-      for (int64_t g = 0; g < G; g += V::AMX_GROUPS) {
-        const int n = (int)std::min<int64_t>(V::AMX_GROUPS, G - g);
-        const uint8_t* wp = w + g * BLOCK;
-        if (fetch == Fetch::again)
-          for (int64_t off = 0; off < n * BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
-        V::amx_dots(n, wp, BLOCK, (const int8_t*)xq, P * GROUP, out);
-        for (int j = 0; j < n; ++j, xq += P * GROUP / 4, xs += P, d += P, s += P) {
-          typename V::I dot[MT];
-          for (int i = 0; i < MT; ++i) dot[i] = V::template amx_row<Z>(out[j][i], xs[i]);
-          group_scale<V, BITS, MT, S, Z, ZL>(wp + j * BLOCK, H, dot, d, s, acc[0]);
-        }
+  // rows m0 .. m0 + MT of their panel (MT <= P, m0 % P + MT <= P): group g's rows at [g][m0 % P + i]
+  const int64_t at = m0 / P * P * G + m0 % P;
+  const int32_t* xq = (const int32_t*)(qa.xq.data() + at * GROUP);
+  const int16_t* xw = V::template wide_codes<BITS, MT, Z>() ? qa.xw.data() + at * GROUP : nullptr;
+  const int32_t* xs = qa.xs.data() + at;
+  const float *d = qa.d.data() + at, *s = qa.s.data() + at;
+  if constexpr (MT > V::MT_MAX) {   // AMX (V::tiles_on): a panel's rows, four groups' dot products at a time, each scaled as below
+    static_assert(V::kAmx && BITS == 8 && MT == V::AMX_ROWS && NP == 1, "a tile of more rows than registers runs on AMX");
+    alignas(64) int32_t out[V::AMX_GROUPS][MT][16];
+    for (int64_t g = 0; g < G; g += V::AMX_GROUPS) {
+      const int n = (int)std::min<int64_t>(V::AMX_GROUPS, G - g);
+      const uint8_t* wp = w + g * BLOCK;
+      if (fetch == Fetch::again)
+        for (int64_t off = 0; off < n * BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
+      V::amx_dots(n, wp, BLOCK, (const int8_t*)xq, P * GROUP, out);
+      for (int j = 0; j < n; ++j, xq += P * GROUP / 4, xs += P, d += P, s += P) {
+        typename V::I dot[MT];
+        for (int i = 0; i < MT; ++i) dot[i] = V::template amx_row<Z>(out[j][i], xs[i]);
+        group_scale<V, BITS, MT, S, Z, ZL>(wp + j * BLOCK, H, dot, d, s, acc[0]);
       }
-      return;
     }
-  }
-  for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
-    const uint8_t* wp = w + g * BLOCK;
-    if constexpr (H == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
-      if (fetch == Fetch::once)
-        for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_NTA_BLOCKS * BLOCK + off), _MM_HINT_NTA);
-      else if (fetch == Fetch::again)
-        for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
+  } else {
+    for (int64_t g = 0; g < G; ++g, xq += P * GROUP / 4, xw += xw ? P * GROUP : 0, xs += P, d += P, s += P) {
+      const uint8_t* wp = w + g * BLOCK;
+      if constexpr (H == 0) {   // the weights stream from memory (GEMM_PF_BLOCKS, GEMM_NTA_BLOCKS)
+        if (fetch == Fetch::once)
+          for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_NTA_BLOCKS * BLOCK + off), _MM_HINT_NTA);
+        else if (fetch == Fetch::again)
+          for (int64_t off = 0; off < BLOCK; off += 64) _mm_prefetch((const char*)(wp + GEMM_PF_BLOCKS * BLOCK + off), _MM_HINT_T2);
+      }
+      for (int p = 0; p < NP; ++p) group_part<V, BITS, MT, S, Z, ZL>(wp, H + p, xq, xw, xs, d, s, acc[p]);
     }
-    for (int p = 0; p < NP; ++p) group_part<V, BITS, MT, S, Z, ZL>(wp, H + p, xq, xw, xs, d, s, acc[p]);
   }
 }
 
@@ -398,6 +400,23 @@ inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, in
 // the tile for mt = 1 .. MT activation rows
 template <class V, int BITS, typename S, int Z, int ZL, int MT = V::MT_MAX, class Epi>
 inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
+                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, Fetch fetch, Epi& epi);
+
+// the tiles of rows m0 .. m1 over one block column: AMX tiles of a panel's V::AMX_ROWS rows
+// where the call runs them (V::tiles_on), register tiles of up to V::MT_MAX rows for the rest
+template <class V, int BITS, typename S, int Z, int ZL, class Epi>
+LOOM_INLINE void column_rows(int64_t m0, int64_t m1, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K,
+                             float* y, int64_t ldy, int64_t n0, int64_t N, bool accumulate, Fetch fetch, Epi& epi) {
+  if constexpr (V::kAmx && BITS == 8)
+    if (V::tiles_on)
+      for (; m0 + V::AMX_ROWS <= m1; m0 += V::AMX_ROWS)
+        tile<V, BITS, V::AMX_ROWS, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
+  for (; m0 < m1; m0 += V::MT_MAX)
+    tile_rows<V, BITS, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, m1 - m0), w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
+}
+
+template <class V, int BITS, typename S, int Z, int ZL, int MT, class Epi>
+inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
                       int64_t ldy, int64_t n0, int64_t N, bool accumulate, Fetch fetch, Epi& epi) {
   if constexpr (MT > 1)
     if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
@@ -439,7 +458,8 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
     if (M >= V::AMX_ROWS4 && amx_allowed<V>()) return gemm_widened<V, 4, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t code_bytes = V::template wide_codes<BITS, V::MT_MAX, Z>() ? 2 : 1;   // int16 codes: half the rows
-  const int64_t MC = std::max<int64_t>(V::MT_MAX, GEMM_L1_ACTS / (K * code_bytes) / V::MT_MAX * V::MT_MAX);
+  const int64_t PM = std::max<int64_t>(V::MT_MAX, qa.P);   // rows a panel: an AMX tile's, where the call runs them
+  const int64_t MC = std::max<int64_t>(PM, GEMM_L1_ACTS / (K * code_bytes) / PM * PM);
   const int64_t NC = std::max<int64_t>(1, GEMM_L2_WEIGHTS / column);
   // a few rows whose tiles read each weight block once: past the caches. The AVX2 variant's tiles
   // then take both halves of a block at a time (tile); on an AVX2-only Zen 2 decode steps ran
@@ -456,9 +476,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
       for (int64_t mc0 = 0; mc0 < M; mc0 += MC) {
         const int64_t mc1 = std::min(mc0 + MC, M);
         for (int64_t nb = nc0; nb < nc1; ++nb)
-          for (int64_t m0 = mc0; m0 < mc1; m0 += V::MT_MAX)
-            tile_rows<V, BITS, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, mc1 - m0), w + nb * column, G, qa, K, m0, y, ldy,
-                                  nb * ROWS, N, accumulate, fetch, epi);
+          column_rows<V, BITS, S, Z, ZL>(mc0, mc1, w + nb * column, G, qa, K, y, ldy, nb * ROWS, N, accumulate, fetch, epi);
       }
     }
     V::tiles_end();
@@ -490,9 +508,7 @@ void gemm_widened(const uint8_t* w, int64_t N, int64_t K, int64_t M, const Quant
         for (int64_t off = 0; off < BN; off += 64) _mm_prefetch((const char*)(src + GEMM_PF_BLOCKS * BN + off), _MM_HINT_T2);
         widen_block<BITS, S, ZL>(src, column.data() + g * B8);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += V::MT_MAX)
-        tile_rows<V, 8, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, M - m0), column.data(), G, qa, K, m0, y, ldy, nb * ROWS,
-                                  N, accumulate, Fetch::cached, epi);
+      column_rows<V, 8, S, Z, ZL>(0, M, column.data(), G, qa, K, y, ldy, nb * ROWS, N, accumulate, Fetch::cached, epi);
     }
     V::tiles_end();
     epi.done();

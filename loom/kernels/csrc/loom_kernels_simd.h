@@ -67,6 +67,8 @@ struct Vec512 {
   static constexpr int PV_ACC = 16;                 // accumulators of a value tile (attention's PV)
   static constexpr bool kAmx = false;              // AMX tiles (an Isa that has them says so)
   static constexpr bool tiles_on = false;
+  static constexpr int AMX_ROWS = 16;
+  static bool amx_rows(int64_t, int) { return false; }   // whether a GEMM of M rows runs AMX tiles: never here
   static void tiles_begin(int64_t) {}
   static void tiles_end() {}
 
@@ -143,6 +145,8 @@ struct Vec256 {
   static constexpr int PV_ACC = 8;
   static constexpr bool kAmx = false;              // AMX tiles (an Isa that has them says so)
   static constexpr bool tiles_on = false;
+  static constexpr int AMX_ROWS = 16;
+  static bool amx_rows(int64_t, int) { return false; }   // whether a GEMM of M rows runs AMX tiles: never here
   static void tiles_begin(int64_t) {}
   static void tiles_end() {}
 
