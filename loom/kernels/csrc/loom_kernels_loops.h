@@ -455,7 +455,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, int64_t M, const QuantActs& qa
   if constexpr (BITS == 5)
     if (M >= GEMM_WIDEN5_ROWS) return gemm_widened<V, 5, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
   if constexpr (BITS == 4 && V::kAmx)   // AMX takes bytes: the nibbles widened as the five bits are
-    if (M >= V::AMX_ROWS4 && amx_allowed<V>()) return gemm_widened<V, 4, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
+    if (V::amx_rows(M, 4)) return gemm_widened<V, 4, S, Z, ZL>(w, N, K, M, qa, y, ldy, accumulate, epis);
   const int64_t G = K / GROUP, NB = (N + ROWS - 1) / ROWS, column = G * block_bytes<BITS, S, ZL>();
   const int64_t code_bytes = V::template wide_codes<BITS, V::MT_MAX, Z>() ? 2 : 1;   // int16 codes: half the rows
   const int64_t PM = std::max<int64_t>(V::MT_MAX, qa.P);   // rows a panel: an AMX tile's, where the call runs them
