@@ -29,7 +29,7 @@ struct Isa : Vec512 {
   // The sums are the same integers, scaled as before, so the outputs equal the VNNI tiles' bit
   // for bit. Each group's sums pass through memory to be scaled (a tile has no move to vector
   // registers), which bounds the gain. Tiles of 16 rows against the 8 of before (one TDPBSUD of
-  // 16 rows takes about as long as one of 8 on this core): 1.08-1.32x on Gemma 3's and SmolLM2's
+  // 16 rows takes about as long as one of 8 on a Xeon with AMX): 1.08-1.32x on Gemma 3's and SmolLM2's
   // matrices at 32 rows, 1.15-1.30x at 128; whole decode steps of 32 sequences 1.17x (Gemma 3) and
   // 1.09x (SmolLM2). Issuing the next groups' products before scaling the last ones' gained
   // nothing. 4-bit codes are widened to bytes a block column at a time first (gemm_widened),

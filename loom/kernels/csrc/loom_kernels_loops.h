@@ -400,7 +400,11 @@ inline void tile(const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, in
 // the tile for mt = 1 .. MT activation rows
 template <class V, int BITS, typename S, int Z, int ZL, int MT = V::MT_MAX, class Epi>
 inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
-                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, Fetch fetch, Epi& epi);
+                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, Fetch fetch, Epi& epi) {
+  if constexpr (MT > 1)
+    if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
+  tile<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
+}
 
 // the tiles of rows m0 .. m1 over one block column: AMX tiles of a panel's V::AMX_ROWS rows
 // where the call runs them (V::tiles_on), register tiles of up to V::MT_MAX rows for the rest
@@ -415,18 +419,10 @@ LOOM_INLINE void column_rows(int64_t m0, int64_t m1, const uint8_t* w, int64_t G
     tile_rows<V, BITS, S, Z, ZL>(std::min<int64_t>(V::MT_MAX, m1 - m0), w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
 }
 
-template <class V, int BITS, typename S, int Z, int ZL, int MT, class Epi>
-inline void tile_rows(int64_t mt, const uint8_t* w, int64_t G, const QuantActs& qa, int64_t K, int64_t m0, float* y,
-                      int64_t ldy, int64_t n0, int64_t N, bool accumulate, Fetch fetch, Epi& epi) {
-  if constexpr (MT > 1)
-    if (mt < MT) return tile_rows<V, BITS, S, Z, ZL, MT - 1>(mt, w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
-  tile<V, BITS, MT, S, Z, ZL>(w, G, qa, K, m0, y, ldy, n0, N, accumulate, fetch, epi);
-}
-
 // Cache blocking. The tiles of one block column read its weights G times per MT rows and the
 // int8 codes of every activation row once, so either can be the operand that stays in cache.
 // Weights: a run of NC block columns (~GEMM_L2_WEIGHTS bytes) stays in L2; activations: MC rows
-// (~GEMM_L1_ACTS bytes of codes, a multiple of MT_MAX) stay in L1 while that run passes over
+// (~GEMM_L1_ACTS bytes of codes, whole panels: MT_MAX or AMX_ROWS rows) stay in L1 while that run passes over
 // them. Without the M blocking, 32 rows of a 576-wide layer (18 KB of codes) plus the block
 // column left L1 and the 8-bit output matrix ran at a third of the 4-bit layers' rate.
 // Only the order of the tiles changes: each output is the same tile's same sum over groups.
