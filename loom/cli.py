@@ -103,7 +103,8 @@ def bench(
                                      help="Engines to measure, comma-separated: loom, loom:DTYPE (e.g. loom:float32), "
                                           "transformers, llama.cpp (default: all three). Missing packages are "
                                           "reported as skipped. With --server: servers the bench starts on the "
-                                          "same GGUF and load-tests in turn: loom, llama-server, vllm."),
+                                          "same GGUF and load-tests in turn: loom, llama-server, vllm, and engine "
+                                          "(loom's engine alone under the same load, no server)."),
     dtype: str | None = typer.Option(None, "--dtype", help="dtype of the plain `loom` peer (default: loom's)."),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
                                               help="KV cache of the loom peers that name none (auto, float32, "

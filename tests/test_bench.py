@@ -458,7 +458,7 @@ def test_load_max_concurrency_holds_that_many_requests_in_flight(monkeypatch) ->
 
     monkeypatch.setattr(load, "_send", fake_send)
     settings = load.LoadSettings(url="http://x", rates=(math.inf,), num_requests=10, max_concurrency=3)
-    records = asyncio.run(load.run_rate(None, settings, "m", ["p"], math.inf, 10, random.Random(0)))
+    records = asyncio.run(load.run_rate(None, settings, "m", load.RatePlan(math.inf, ["p"], [0.0] * 10)))
     assert peak == 3 and len(records) == 10
     ends = sorted(r.end for r in records)
     later = sorted(records, key=lambda r: r.sent)[3:]                      # sent once a slot was free:

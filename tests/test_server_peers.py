@@ -220,22 +220,26 @@ def test_bench_starts_loom_serve_and_loads_it(model: str, endpoint: str, tmp_pat
     prompts = tmp_path / "question.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     report_path = tmp_path / "compare.json"
-    result = CliRunner().invoke(app, ["bench", "--server", "start", "--peers", "loom", "--model", str(gguf),
+    result = CliRunner().invoke(app, ["bench", "--server", "start", "--peers", "loom,engine", "--model", str(gguf),
                                       "--threads", "1", "--rates", "max", "--num-requests", "2,3", "--max-tokens", "4",
                                       "--prompts", str(prompts), "--json", str(report_path),
                                       "--plot", str(tmp_path / "plots")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "plots" / "server_compare.png").stat().st_size > 0
     report = json.loads(report_path.read_text())
-    assert [r["label"] for r in report["runs"]] == ["loom"] and report["slots"] == 3
+    assert [r["label"] for r in report["runs"]] == ["loom", "engine"] and report["slots"] == 3
     assert report["endpoint"] == endpoint and f"{endpoint} endpoint" in result.output
-    run = report["runs"][0]
+    run, engine = report["runs"]
     assert run["start_seconds"] > 0 and run["command"][1:4] == ["-m", "loom", "serve"]
-    for load, count in zip(run["loads"], (2, 3)):
-        assert load["endpoint"] == endpoint
-        level = load["levels"][0]
+    for load, alone, count in zip(run["loads"], engine["loads"], (2, 3)):
+        assert load["endpoint"] == alone["endpoint"] == endpoint and alone["server"] == "engine"
+        level, level_alone = load["levels"][0], alone["levels"][0]
         assert level["requests"] == count == level["ok"], level["error_samples"]
+        assert level_alone["requests"] == count == level_alone["ok"] and level_alone["ttft_ms"] is not None
+        # greedy, 4 tokens each (or fewer at EOS): the same requests make the same tokens
+        assert level_alone["output_tokens"] == level["output_tokens"]
     assert [(r["requests"], r["rate"]) for r in report["summary"]] == [(2, "max"), (3, "max")]
+    assert all(r["ratios"]["engine"]["output_tok_s"] > 0 for r in report["summary"])   # the server's share
     assert "output tok/s" in result.output
 
 
@@ -273,3 +277,71 @@ def test_hf_export_of_a_model_without_a_chat_template(tiny_gemma3_path: Path, tm
     assert not (out / "chat_template.jinja").exists()
     text = "Question 3: explain why the sky looks blue at noon."
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == Tokenizer.from_gguf(gguf).encode(text)
+
+
+class _FakeEngine:
+    """Engine.add_request / step / has_unfinished_requests: each request makes one token per step
+    and finishes after `tokens`; steps are counted."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.live, self.steps, self.peak, self.prompts = tokens, {}, 0, 0, []
+
+    def add_request(self, prompt, params) -> str:
+        rid = f"r{len(self.prompts)}"
+        self.prompts.append(prompt)
+        self.live[rid] = 0
+        self.peak = max(self.peak, len(self.live))
+        return rid
+
+    def step(self) -> list:
+        from types import SimpleNamespace as NS
+
+        self.steps += 1
+        outs = []
+        for rid in list(self.live):
+            self.live[rid] += 1
+            done = self.live[rid] == self.tokens
+            outs.append(NS(request_id=rid, finished=done,
+                           outputs=[NS(delta_token_ids=[7], token_ids=[7] * self.live[rid])]))
+            if done:
+                del self.live[rid]
+        return outs
+
+
+def test_engine_column_sends_at_the_offsets_under_the_concurrency_limit() -> None:
+    from loom.bench.engine_load import EngineLoad
+
+    engine = _FakeEngine(tokens=3)
+    settings = LoadSettings(url="engine", rates=(float("inf"),), num_requests=5, max_tokens=3, endpoint="completions",
+                            max_concurrency=2)
+    records = EngineLoad(engine, settings).run([f"p{i}" for i in range(5)], [0.0, 0.0, 0.0, 0.0, 0.05])
+    assert engine.prompts == [f"p{i}" for i in range(5)] and engine.peak == 2
+    assert all(r.ok and r.output_tokens == 3 and len(r.chunk_times) == 3 for r in records)
+    assert records[-1].sent >= 0.05                                # not before its offset
+    ends = sorted(r.end for r in records)
+    assert all(any(e <= r.sent for e in ends) for r in records[2:])   # sent once a slot was free
+    assert all(r.first_token == r.chunk_times[0] <= r.end for r in records)
+
+
+def test_engine_column_is_a_peer_the_comparison_runs_without_a_server(tiny_gemma3_path: Path) -> None:
+    from loom.bench.server_compare import Target
+
+    [kind] = parse_server_peers("engine")
+    assert kind.launch is None
+    columns = [Target("loom", url="http://loom.invalid"), Target("engine", kind=kind)]
+    seen = []
+
+    def fake_load(settings: LoadSettings) -> dict:
+        return {"settings": {"num_requests": settings.num_requests}, "levels": [_level("max", 90.0, 10.0, 5.0)]}
+
+    def fake_engine(plans, gguf, threads) -> list[dict]:
+        seen.append(([p.endpoint for p in plans], gguf, threads))
+        return [{"settings": {"num_requests": p.num_requests}, "levels": [_level("max", 100.0, 8.0, 4.0)]}
+                for p in plans]
+
+    plans = [LoadSettings(url="x", rates=(float("inf"),), num_requests=n) for n in (8, 32)]
+    report = run_comparison(columns, plans, tiny_gemma3_path, threads=2, load=fake_load, log=lambda m: None,
+                            engine_load=fake_engine)
+    assert seen == [(["completions", "completions"], tiny_gemma3_path, 2)]
+    assert [r["start_seconds"] for r in report["runs"]] == [None, None]
+    assert report["summary"][0]["ratios"]["engine"]["output_tok_s"] == pytest.approx(0.9)   # the server's share

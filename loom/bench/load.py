@@ -226,6 +226,43 @@ def arrival_times(rate: float, count: int, rng: random.Random) -> list[float]:
     return times
 
 
+@dataclass(frozen=True)
+class RatePlan:
+    """One rate of the ladder: its requests' prompts and send offsets (seconds from its start)."""
+
+    rate: float
+    prompts: list[str]
+    offsets: list[float]
+
+
+def plan_ladder(settings: LoadSettings) -> tuple[str, list[RatePlan]]:
+    """The warm-up prompt and every rate's requests, the same for every server (and for the engine
+    alone, `loom.bench.engine_load`): Spec-Bench first turns cut to ``prompt_chars``, the last one
+    kept for the warm-up, each rate continuing where the previous one stopped; Poisson offsets
+    seeded per rate."""
+    prompts = [p[:settings.prompt_chars] for p in load_spec_bench(settings.prompts_path)]
+    measured = prompts[:-1]  # the last one warms the server up
+    plans, sent = [], 0
+    for i, (rate, count) in enumerate(zip(settings.rates, settings.counts())):
+        fresh = [measured[(sent + j) % len(measured)] for j in range(count)]
+        plans.append(RatePlan(rate, fresh, arrival_times(rate, count, random.Random(settings.seed * 1000 + i))))
+        sent += count
+    return prompts[-1], plans
+
+
+def load_report(asked: LoadSettings, server: str, model: str, endpoint: str, why: str | None,
+                levels: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    """The whole ladder's report (JSON-able) from its levels (`summarize`)."""
+    measured = len(load_spec_bench(asked.prompts_path)) - 1
+    return {"kind": "load", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "server": server, "model": model, "settings": asked.to_json(),
+            "endpoint": endpoint, "endpoint_note": why,
+            "prompts": f"Spec-Bench first turns, round-robin over categories, cut to {asked.prompt_chars} "
+                       f"characters; each rate continues where the previous one stopped (no prompt repeats "
+                       f"before all {measured} were sent), after one unmeasured warm-up request",
+            "levels": levels, "saturation": saturation(levels)}
+
+
 def _payload(settings: LoadSettings, model: str, prompt: str) -> dict[str, Any]:
     """The request body: the prompt as one user message (chat) or as the plain prompt text (completions)."""
     text = ({"messages": [{"role": "user", "content": prompt}]} if settings.endpoint == "chat"
@@ -276,11 +313,11 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
         record.error = f"{type(e).__name__}: {e}"[:300]
 
 
-async def run_rate(client: Any, settings: LoadSettings, model: str, prompts: list[str], rate: float, count: int,
-                   rng: random.Random, on_done: Callable[[], None] = lambda: None) -> list[RequestRecord]:
-    """Sends `count` requests (`prompts` in turn) at Poisson arrivals of `rate`, at most
-    `settings.max_concurrency` at a time, and waits for every answer."""
-    offsets = arrival_times(rate, count, rng)
+async def run_rate(client: Any, settings: LoadSettings, model: str, plan: RatePlan,
+                   on_done: Callable[[], None] = lambda: None) -> list[RequestRecord]:
+    """Sends the plan's requests at its offsets, at most `settings.max_concurrency` at a time, and
+    waits for every answer."""
+    prompts, offsets, count = plan.prompts, plan.offsets, len(plan.offsets)
     start = time.perf_counter()
 
     def clock() -> float:
@@ -406,43 +443,30 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
     except ImportError:
         raise BenchError("--server needs httpx (pip install httpx)") from None
 
-    prompts = [p[:settings.prompt_chars] for p in load_spec_bench(settings.prompts_path)]
-    measured = prompts[:-1]  # the last one warms the server up
+    warmup_prompt, plans = plan_ladder(settings)
     with httpx.Client(headers=_headers(settings), timeout=30) as client:
         model = _served_model(client, settings)
         endpoint, why = _server_endpoint(client, settings) if settings.endpoint == AUTO else (settings.endpoint, None)
     asked, settings = settings, dataclasses.replace(settings, endpoint=endpoint)
-    counts = settings.counts()
-    task = progress.add_task("load test", total=sum(counts)) if progress is not None else None
+    task = progress.add_task("load test", total=sum(settings.counts())) if progress is not None else None
 
     async def ladder() -> list[dict[str, Any]]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(counts))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(settings.counts()))
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30)
         levels = []
         async with httpx.AsyncClient(headers=_headers(settings), limits=limits, timeout=timeout) as client:
             warmup = RequestRecord(sent=0.0)
-            await _send(client, settings, _payload(settings, model, prompts[-1]), warmup, time.perf_counter)
+            await _send(client, settings, _payload(settings, model, warmup_prompt), warmup, time.perf_counter)
             if not warmup.ok:
                 raise _warmup_error(settings, warmup)
-            sent = 0
-            for i, (rate, count) in enumerate(zip(settings.rates, counts)):
+            for plan in plans:
                 if task is not None:
-                    progress.update(task, description=f"rate {rate_label(rate)} req/s, {count} requests")
-                fresh = [measured[(sent + j) % len(measured)] for j in range(count)]
-                records = await run_rate(client, settings, model, fresh, rate, count,
-                                         random.Random(settings.seed * 1000 + i),
+                    progress.update(task, description=f"rate {rate_label(plan.rate)} req/s, {len(plan.prompts)} requests")
+                records = await run_rate(client, settings, model, plan,
                                          (lambda: progress.advance(task)) if task is not None else (lambda: None))
-                levels.append(summarize(rate, records))
-                sent += count
+                levels.append(summarize(plan.rate, records))
         return levels
 
     started = time.time()
     levels = asyncio.run(ladder())
-    verdict = saturation(levels)
-    return {"kind": "load", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-            "server": settings.api_base, "model": model, "settings": asked.to_json(),
-            "endpoint": endpoint, "endpoint_note": why,
-            "prompts": f"Spec-Bench first turns, round-robin over categories, cut to {settings.prompt_chars} "
-                       f"characters; each rate continues where the previous one stopped (no prompt repeats "
-                       f"before all {len(measured)} were sent), after one unmeasured warm-up request",
-            "levels": levels, "saturation": verdict}
+    return load_report(asked, settings.api_base, model, endpoint, why, levels, started)

@@ -2,7 +2,9 @@
 
 Targets: the server at URL (labelled ``loom``), or with ``start`` none, plus every peer in
 ``--peers``, which the bench starts itself on a free port with the same GGUF and thread count
-(`loom.bench.server_peers`). Every server gets the same endpoint: ``--endpoint auto`` is decided
+(`loom.bench.server_peers`); the peer ``engine`` is no server but loom's engine alone under the
+same load (`loom.bench.engine_load`), so loom's ratio to it is the share of the engine that
+`loom serve` delivers (#17 asks >= 85%). Every server gets the same endpoint: ``--endpoint auto`` is decided
 once from the GGUF (completions for a model without a chat template, see `loom.bench.load`).
 The runs are interleaved so a busy machine spreads over all of them: for each round, each
 target in turn is started, answers the whole load (every request count of ``--num-requests``,
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.bench.engine_load import run_engine_load
 from loom.bench.load import AUTO, LoadSettings, endpoint_for_gguf, run_load
 from loom.bench.server_peers import (LocalServer, ServeJob, ServerKind, free_port,
                                      parse_server_peers)
@@ -82,10 +85,14 @@ def same_endpoint(plans: Sequence[LoadSettings], gguf: Path | None) -> list[Load
 
 
 def _run_target(target: Target, job: ServeJob | None, plans: Sequence[LoadSettings],
-                load: Callable[[LoadSettings], dict[str, Any]], log: Callable[[str], None]) -> dict[str, Any]:
+                load: Callable[[LoadSettings], dict[str, Any]], log: Callable[[str], None],
+                engine_load: Callable[..., list[dict[str, Any]]] = run_engine_load) -> dict[str, Any]:
     """Every plan against one target (started and stopped around them when it is a peer)."""
     if target.kind is None:
         return {"start_seconds": None, "loads": [load(dataclasses.replace(p, url=target.url)) for p in plans]}
+    if target.kind.launch is None:   # the engine alone, no server
+        log(f"running {target.label}: the same load through loom's engine in a process of its own")
+        return {"start_seconds": None, "loads": engine_load(plans, job.gguf, job.threads)}
     launch = target.kind.launch(job)
     log(f"starting {target.label}: {' '.join(launch.argv)}")
     with LocalServer(target.label, launch, job.url) as server:
@@ -97,14 +104,15 @@ def _run_target(target: Target, job: ServeJob | None, plans: Sequence[LoadSettin
 def run_comparison(columns: Sequence[Target], plans: Sequence[LoadSettings], gguf: Path | None, threads: int,
                    rounds: int = 1, load: Callable[[LoadSettings], dict[str, Any]] = run_load,
                    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-                   on_run: Callable[[dict[str, Any]], None] = lambda report: None) -> dict[str, Any]:
+                   on_run: Callable[[dict[str, Any]], None] = lambda report: None,
+                   engine_load: Callable[..., list[dict[str, Any]]] = run_engine_load) -> dict[str, Any]:
     """Runs `plans` (one per request count) against every target, `rounds` times interleaved;
     `on_run` gets the report so far after every target's run (a long run stopped keeps those)."""
     if rounds < 1:
         raise BenchError(f"--rounds must be >= 1, got {rounds}")
     started = [t for t in columns if t.kind is not None]
     if started and gguf is None:
-        raise BenchError("starting a server peer needs the model's GGUF (--model)")
+        raise BenchError("starting a server peer (or the engine column) needs the model's GGUF (--model)")
     slots = max(n for p in plans for n in p.counts())
     plans = same_endpoint(plans, gguf)
     report = {"kind": "load-compare", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -116,7 +124,8 @@ def run_comparison(columns: Sequence[Target], plans: Sequence[LoadSettings], ggu
     for r in range(rounds):
         for target in columns:
             job = ServeJob(gguf, threads, slots, seq_tokens(plans[0]), free_port()) if target.kind else None
-            report["runs"].append({"round": r, "label": target.label, **_run_target(target, job, plans, load, log)})
+            run = _run_target(target, job, plans, load, log, engine_load)
+            report["runs"].append({"round": r, "label": target.label, **run})
             report["summary"] = summarize(report["runs"], [t.label for t in columns])
             on_run(report)
     return report

