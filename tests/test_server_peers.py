@@ -166,14 +166,18 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
     # loom: 100 then 300 tok/s; peer: 50 then 100 -> per-round ratios 2 and 3, median 2.5
     speeds = {("loom", 0): 100.0, ("peer", 0): 50.0, ("loom", 1): 300.0, ("peer", 1): 100.0}
 
-    def fake_load(settings: LoadSettings) -> dict:
+    def fake_load(settings: LoadSettings, cpu=None) -> dict:
         label = "loom" if settings.url == "http://loom.invalid" else "peer"
+        assert (cpu is None) == (label == "loom")   # the started server's CPU meter; none for a URL
         rnd = sum(1 for c in calls if c[0] == label and c[1] == settings.num_requests)
         calls.append((label, settings.num_requests))
         endpoints.add(settings.endpoint)
         tok = speeds[(label, rnd)] * settings.num_requests
-        return {"settings": {"num_requests": settings.num_requests},
-                "levels": [_level("max", tok, 1000.0 / tok, 10.0)]}
+        level = _level("max", tok, 1000.0 / tok, 10.0)
+        if cpu is not None:
+            assert cpu() >= 0.0   # the fake server and its child, alive
+            level["server_cpu_percent"] = 150.0 + 10 * rnd
+        return {"settings": {"num_requests": settings.num_requests}, "levels": [level]}
 
     plans = [LoadSettings(url="x", rates=(float("inf"),), num_requests=n) for n in (8, 32)]
     partial = []
@@ -191,10 +195,12 @@ def test_comparison_interleaves_rounds_and_takes_median_ratios(fake_server: Path
     assert rows[0]["ratios"]["peer"]["output_tok_s"] == pytest.approx(2.5)
     assert rows[0]["ratios"]["peer"]["ttft_p50_ms"] == pytest.approx(2.5)      # peer/loom: lower is better
     assert rows[0]["ratios"]["peer"]["itl_p50_ms"] == pytest.approx(1.0)
+    assert rows[0]["values"]["peer"]["cpu_percent"] == pytest.approx(155.0) and rows[0]["values"]["loom"]["cpu_percent"] is None
     header, cells = table(report)
     assert [c[:3] for c in cells] == [["8", "max", "loom"], ["8", "max", "peer"], ["32", "max", "loom"],
                                       ["32", "max", "peer"]]
     assert cells[1][header.index("loom vs it: tok/s")] == "2.50×" and cells[0][header.index("loom vs it: tok/s")] == ""
+    assert cells[1][header.index("CPU %")] == "155" and cells[0][header.index("CPU %")] == "—"
     assert "| 8 | max | peer |" in markdown(report) and "streaming POST /v1/completions" in markdown(report)
     [chart] = write_plots(report, tmp_path / "plots")
     assert chart.name == "server_compare.png" and chart.stat().st_size > 0
@@ -236,6 +242,7 @@ def test_bench_starts_loom_serve_and_loads_it(model: str, endpoint: str, tmp_pat
         level, level_alone = load["levels"][0], alone["levels"][0]
         assert level["requests"] == count == level["ok"], level["error_samples"]
         assert level_alone["requests"] == count == level_alone["ok"] and level_alone["ttft_ms"] is not None
+        assert level["server_cpu_percent"] > 0 and level_alone["server_cpu_percent"] > 0
         # greedy, 4 tokens each (or fewer at EOS): the same requests make the same tokens
         assert level_alone["output_tokens"] == level["output_tokens"]
     assert [(r["requests"], r["rate"]) for r in report["summary"]] == [(2, "max"), (3, "max")]
@@ -331,7 +338,7 @@ def test_engine_column_is_a_peer_the_comparison_runs_without_a_server(tiny_gemma
     columns = [Target("loom", url="http://loom.invalid"), Target("engine", kind=kind)]
     seen = []
 
-    def fake_load(settings: LoadSettings) -> dict:
+    def fake_load(settings: LoadSettings, cpu=None) -> dict:
         return {"settings": {"num_requests": settings.num_requests}, "levels": [_level("max", 90.0, 10.0, 5.0)]}
 
     def fake_engine(plans, gguf, threads) -> list[dict]:

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from loom.bench.load import AUTO, LoadSettings, RequestRecord, load_report, parse_rates, plan_ladder, summarize
+from loom.bench.load import (AUTO, LoadSettings, RequestRecord, load_report, parse_rates, plan_ladder, summarize,
+                             with_cpu)
 from loom.bench.server_peers import ENGINE
 from loom.bench.settings import BenchError
 
@@ -129,7 +130,11 @@ def _run(job: dict[str, Any]) -> list[dict[str, Any]]:
         warmup_prompt, rates = plan_ladder(settings)
         load.run([warmup_prompt], [0.0])
         started = time.time()
-        levels = [summarize(r.rate, load.run(r.prompts, r.offsets)) for r in rates]
+        levels = []
+        for r in rates:   # the engine's CPU use: this process's, every thread
+            c0, t0 = time.process_time(), time.perf_counter()
+            records = load.run(r.prompts, r.offsets)
+            levels.append(with_cpu(summarize(r.rate, records), time.process_time() - c0, time.perf_counter() - t0))
         reports.append(load_report(settings, ENGINE, gguf.stem, settings.endpoint, None, levels, started))
     return reports
 

@@ -435,9 +435,18 @@ def _headers(settings: LoadSettings) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
+def with_cpu(level: dict[str, Any], cpu_seconds: float | None, wall_seconds: float) -> dict[str, Any]:
+    """`level` with ``server_cpu_percent``: the server's CPU seconds over the level's wall time, in
+    percent of one core (200 = two cores busy); None where the server's processes are not known."""
+    level["server_cpu_percent"] = (100.0 * cpu_seconds / wall_seconds
+                                   if cpu_seconds is not None and wall_seconds > 0 else None)
+    return level
+
+
+def run_load(settings: LoadSettings, progress: Any = None, cpu: Callable[[], float] | None = None) -> dict[str, Any]:
     """Runs the whole ladder and returns the report (JSON-able). `progress`, a rich Progress,
-    gets one task advanced per answered request."""
+    gets one task advanced per answered request. `cpu`, where given, reads the server's CPU
+    seconds so far (all its processes): each level then reports the server's CPU use."""
     try:
         import httpx
     except ImportError:
@@ -462,9 +471,11 @@ def run_load(settings: LoadSettings, progress: Any = None) -> dict[str, Any]:
             for plan in plans:
                 if task is not None:
                     progress.update(task, description=f"rate {rate_label(plan.rate)} req/s, {len(plan.prompts)} requests")
+                c0, t0 = cpu() if cpu else None, time.perf_counter()
                 records = await run_rate(client, settings, model, plan,
                                          (lambda: progress.advance(task)) if task is not None else (lambda: None))
-                levels.append(summarize(plan.rate, records))
+                used = cpu() - c0 if cpu else None
+                levels.append(with_cpu(summarize(plan.rate, records), used, time.perf_counter() - t0))
         return levels
 
     started = time.time()

@@ -11,10 +11,12 @@ target in turn is started, answers the whole load (every request count of ``--nu
 each through the rate ladder of `loom.bench.load`, the same prompts in the same order) and is
 stopped before the next one starts. One server runs at a time.
 
-Summary per (request count, rate) and target: the median over rounds of output tok/s and of the
-TTFT and ITL p50s; and per peer the median over rounds of loom's ratio in that round (loom/peer
-for tok/s, peer/loom for the latencies: above 1× loom is ahead), so a ratio compares runs made
-minutes apart, not a quiet round of one with a busy round of the other.
+Summary per (request count, rate) and target: the median over rounds of output tok/s, of the
+TTFT and ITL p50s and, for the servers the bench started (and the engine column), of their CPU
+use while answering (all their processes, in percent of one core); and per peer the median over
+rounds of loom's ratio in that round (loom/peer for tok/s, peer/loom for the latencies: above 1×
+loom is ahead), so a ratio compares runs made minutes apart, not a quiet round of one with a
+busy round of the other.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def same_endpoint(plans: Sequence[LoadSettings], gguf: Path | None) -> list[Load
 
 
 def _run_target(target: Target, job: ServeJob | None, plans: Sequence[LoadSettings],
-                load: Callable[[LoadSettings], dict[str, Any]], log: Callable[[str], None],
+                load: Callable[..., dict[str, Any]], log: Callable[[str], None],
                 engine_load: Callable[..., list[dict[str, Any]]] = run_engine_load) -> dict[str, Any]:
     """Every plan against one target (started and stopped around them when it is a peer)."""
     if target.kind is None:
@@ -97,12 +99,12 @@ def _run_target(target: Target, job: ServeJob | None, plans: Sequence[LoadSettin
     log(f"starting {target.label}: {' '.join(launch.argv)}")
     with LocalServer(target.label, launch, job.url) as server:
         log(f"{target.label} ready in {server.start_seconds:.1f} s")
-        loads = [load(dataclasses.replace(p, url=job.url)) for p in plans]
+        loads = [load(dataclasses.replace(p, url=job.url), cpu=server.cpu_seconds) for p in plans]
     return {"start_seconds": server.start_seconds, "command": launch.argv, "env": launch.env, "loads": loads}
 
 
 def run_comparison(columns: Sequence[Target], plans: Sequence[LoadSettings], gguf: Path | None, threads: int,
-                   rounds: int = 1, load: Callable[[LoadSettings], dict[str, Any]] = run_load,
+                   rounds: int = 1, load: Callable[..., dict[str, Any]] = run_load,
                    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
                    on_run: Callable[[dict[str, Any]], None] = lambda report: None,
                    engine_load: Callable[..., list[dict[str, Any]]] = run_engine_load) -> dict[str, Any]:
@@ -159,6 +161,8 @@ def summarize(runs: list[dict[str, Any]], labels: list[str]) -> list[dict[str, A
             per_round = [levels.get((label, r, count, rate)) for r in rounds]
             row["values"][label] = {key: _median([get(lv) if lv else None for lv in per_round])
                                     for key, _, _, get, _ in METRICS}
+            row["values"][label]["cpu_percent"] = _median([lv.get("server_cpu_percent") if lv else None
+                                                           for lv in per_round])
             row["values"][label]["errors"] = sum((lv["errors"] + lv["rejected_429"]) if lv else 0 for lv in per_round)
         if LOOM in labels:
             for peer in (lb for lb in labels if lb != LOOM):
@@ -189,7 +193,7 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows: one row per (request count, rate, server) with its medians and loom's
     ratios to it (loom/server for tok/s, server/loom for latencies; none on loom's own row)."""
     labels = [t["label"] for t in report["targets"]]
-    header = ["requests", "rate", "server", *(name for _, name, _, _, _ in METRICS),
+    header = ["requests", "rate", "server", *(name for _, name, _, _, _ in METRICS), "CPU %",
               *(f"loom vs it: {short}" for _, _, short, _, _ in METRICS)]
     rows = []
     for row in report["summary"]:
@@ -197,6 +201,7 @@ def table(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             ratios = row["ratios"].get(lb, {})
             rows.append([str(row["requests"]), row["rate"], lb,
                          *(_fmt(row["values"][lb][key]) for key, _, _, _, _ in METRICS),
+                         _fmt(row["values"][lb].get("cpu_percent")),
                          *(_fmt(ratios.get(key), ratio=True) if ratios else "" for key, _, _, _, _ in METRICS)])
     return header, rows
 

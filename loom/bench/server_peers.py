@@ -258,6 +258,23 @@ class LocalServer:
         raise BenchError(f"{self.name}: no ready /health at {self.url} within {self.timeout:.0f} s: "
                          f"{_tail(self._log, 3)}")
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the server's processes have used so far: the one started
+        and every descendant alive now (an engine process, a fork server, vLLM's engine core)."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for p in family:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        return total
+
     def stop(self) -> None:
         """SIGINT to the server's process group, SIGKILL to whatever of it is left after the wait."""
         proc = self.proc
