@@ -1,13 +1,13 @@
 """The engine alone under the server bench's load: the ``engine`` column of
 ``loom bench --server start --peers loom,engine,...``.
 
-#17 asks the server to deliver what the engine can: this column is what the engine can, under
-the same load, measured in the same run. It answers the requests every server gets
+A server should deliver what its engine can: this column is what the engine can, under the same
+load, measured in the same run. It answers the requests every server gets
 (`loom.bench.load.plan_ladder`: the same prompts, sent at the same offsets, with the same
 endpoint's prompt rendering, sampling, ``max_tokens`` and ``ignore_eos``) with the engine `loom
 serve` runs by default (the same GGUF, thread count and `EngineConfig` defaults), driven through
 `Engine.add_request` / `Engine.step` in a process of its own: no HTTP, no front end, no second
-process, no detokenized stream. A request is sent when its offset has passed (and, under
+process, no event stream. A request is sent when its offset has passed (and, under
 ``max_concurrency``, a slot is free); its tokens arrive when the step that made them returns
 (one chunk per step, as the server streams them). The figures are the load's own
 (`loom.bench.load.summarize`), so ``loom`` over ``engine`` in the comparison's ratio columns is

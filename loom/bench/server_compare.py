@@ -4,8 +4,8 @@ Targets: the server at URL (labelled ``loom``), or with ``start`` none, plus eve
 ``--peers``, which the bench starts itself on a free port with the same GGUF and thread count
 (`loom.bench.server_peers`); the peer ``engine`` is no server but loom's engine alone under the
 same load (`loom.bench.engine_load`), so loom's ratio to it is the share of the engine that
-`loom serve` delivers (#17 asks >= 85%). Every server gets the same endpoint: ``--endpoint auto`` is decided
-once from the GGUF (completions for a model without a chat template, see `loom.bench.load`).
+`loom serve` delivers. Every server gets the same endpoint: ``--endpoint auto`` is decided once
+from the GGUF (completions for a model without a chat template, see `loom.bench.load`).
 The runs are interleaved so a busy machine spreads over all of them: for each round, each
 target in turn is started, answers the whole load (every request count of ``--num-requests``,
 each through the rate ladder of `loom.bench.load`, the same prompts in the same order) and is
