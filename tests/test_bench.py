@@ -142,6 +142,18 @@ def test_decode_at_context_with_a_quantized_kv_cache(tiny_llama_path: Path, prom
     assert "decode at context 300" in result.output
 
 
+def test_the_dtype_flags_reach_the_worker(tiny_llama_path: Path, prompts_file: Path, tmp_path: Path) -> None:
+    """--dtype and --kv-cache-dtype set options on the peer `loom` without changing its label: the
+    worker must run with them, not with the ones the label names."""
+    report_path = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_llama_path), "--quick", "--threads", "1",
+                                      "--peers", "loom", "--dtype", "float32", "--kv-cache-dtype", "int8",
+                                      "--prompts", str(prompts_file), "--concurrency", "1", "--json", str(report_path)])
+    assert result.exit_code == 0, result.output
+    info = json.loads(report_path.read_text())["engines"]["loom"]["info"]
+    assert info["kv_cache_dtype"] == "int8" and info["dtype"] == "float32", info
+
+
 def test_bad_kv_cache_dtype_fails_before_running(tiny_llama_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "--model", str(tiny_llama_path), "--quick",
                                       "--kv-cache-dtype", "int3"])

@@ -65,7 +65,8 @@ def _host() -> dict[str, Any]:
 def _run_worker(spec: PeerSpec, job_path: Path, steps: list[str], threads: int, progress: Progress,
                 task: Any) -> dict[str, Any]:
     """One worker, start to exit; advances `task` once per finished step and returns the engine entry."""
-    cmd = [sys.executable, "-m", "loom.bench.worker", spec.label, str(job_path)]
+    # the options travel whole: a flag such as --kv-cache-dtype sets one without changing the label
+    cmd = [sys.executable, "-m", "loom.bench.worker", spec.label, str(job_path), json.dumps(spec.options)]
     done = 0
     outcome: dict[str, Any] | None = None
     started = time.perf_counter()

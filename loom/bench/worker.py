@@ -1,7 +1,8 @@
-"""One engine's measurements in a process of its own: ``python -m loom.bench.worker ENGINE JOB``.
+"""One engine's measurements in a process of its own: ``python -m loom.bench.worker ENGINE JOB [OPTIONS]``.
 
 ENGINE is a peer spec (``loom``, ``loom:float32``, ``transformers``, ``llama.cpp``); JOB is the
-path of the JSON job the harness wrote (`make_job`). The worker loads the engine, warms it up,
+path of the JSON job the harness wrote (`make_job`); OPTIONS, the peer's options as JSON, replace
+the ones ENGINE names (``loom bench --kv-cache-dtype int8`` sets one on the peer ``loom``). The worker loads the engine, warms it up,
 runs every suite and exits. Its own process makes peak RSS this engine's alone.
 
 Protocol: the worker writes JSON lines to its original stdout, one event each:
@@ -17,6 +18,7 @@ Anything libraries print to stdout is redirected to stderr so it cannot corrupt 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -77,9 +79,12 @@ class _Channel:
         self.send("end", step=label)
 
 
-def run(label: str, job: dict[str, Any], channel: _Channel) -> int:
-    """Measure engine `label` as `job` says; every outcome is sent on `channel`. Returns the exit status."""
+def run(label: str, job: dict[str, Any], channel: _Channel, options: dict[str, str] | None = None) -> int:
+    """Measure engine `label` as `job` says (with `options`, where given, in place of the ones its
+    label names); every outcome is sent on `channel`. Returns the exit status."""
     spec = parse_peers(label)[0]
+    if options is not None:
+        spec = dataclasses.replace(spec, options=dict(options))
     missing = missing_modules(spec.kind)
     if missing:
         channel.send("skipped", **not_installed(spec.kind, missing))
@@ -113,8 +118,8 @@ def run(label: str, job: dict[str, Any], channel: _Channel) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python -m loom.bench.worker ENGINE JOB.json", file=sys.stderr)
+    if len(argv) not in (2, 3):
+        print("usage: python -m loom.bench.worker ENGINE JOB.json [OPTIONS_JSON]", file=sys.stderr)
         return 2
     # Keep the protocol on a private copy of stdout; point fd 1 (and sys.stdout) at stderr.
     channel = _Channel(os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8"))
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     try:
         job = json.loads(Path(argv[1]).read_text(encoding="utf-8"))
-        return run(argv[0], job, channel)
+        return run(argv[0], job, channel, json.loads(argv[2]) if len(argv) == 3 else None)
     except Exception as e:  # the harness reports it as this engine's failure
         channel.send("error", message=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         return 1
