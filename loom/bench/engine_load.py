@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -30,8 +29,10 @@ from typing import Any, Sequence
 
 from loom.bench.load import (AUTO, LoadSettings, RequestRecord, load_report, parse_rates, plan_ladder, summarize,
                              with_cpu)
+from loom.bench.harness import worker_env
 from loom.bench.server_peers import ENGINE
 from loom.bench.settings import BenchError
+from loom.sampling_params import SamplingParams
 
 
 def job(settings: Sequence[LoadSettings], gguf: Path, threads: int) -> dict[str, Any]:
@@ -53,12 +54,8 @@ def _settings(plan: dict[str, Any]) -> LoadSettings:
 def run_engine_load(settings: Sequence[LoadSettings], gguf: Path, threads: int,
                     timeout: float | None = None) -> list[dict[str, Any]]:
     """Every plan through the engine in a child process; BenchError with its last lines if it fails."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = str(threads)
     done = subprocess.run([sys.executable, "-m", "loom.bench.engine_load"], input=json.dumps(job(settings, gguf, threads)),
-                          capture_output=True, text=True, env=env, timeout=timeout)
+                          capture_output=True, text=True, env=worker_env(threads), timeout=timeout)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
@@ -70,8 +67,6 @@ class EngineLoad:
     """The requests of one plan, as `loom serve` would turn them into engine requests."""
 
     def __init__(self, engine: Any, settings: LoadSettings):
-        from loom.sampling_params import SamplingParams
-
         self.engine, self.settings = engine, settings
         sampled = {"top_p": settings.top_p, "top_k": -1, "min_p": 0.0} if settings.temperature > 0 else {}
         self.params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens,
@@ -118,6 +113,7 @@ class EngineLoad:
 
 
 def _run(job: dict[str, Any]) -> list[dict[str, Any]]:
+    # the engine (and torch) only in the child: the bench's own process stays without them
     from loom.config import EngineConfig
     from loom.engine.engine import Engine
 

@@ -46,7 +46,7 @@ class BenchRequest:
     prompts_path: Path = SPEC_BENCH_PATH
 
 
-def _worker_env(threads: int) -> dict[str, str]:
+def worker_env(threads: int) -> dict[str, str]:
     """The worker's environment: loom importable from this checkout, one thread count for all."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
@@ -71,7 +71,7 @@ def _run_worker(spec: PeerSpec, job_path: Path, steps: list[str], threads: int, 
     outcome: dict[str, Any] | None = None
     started = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as errfile:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errfile, text=True, env=_worker_env(threads))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errfile, text=True, env=worker_env(threads))
         assert proc.stdout is not None
         for line in proc.stdout:
             try:
@@ -137,7 +137,7 @@ def run_bench(request: BenchRequest, console: Console | None = None) -> dict[str
             entry = engines[spec.label]
             if spec.is_loom and entry["status"] == "ok":
                 progress.update(task, description=f"[bold]{spec.label}[/bold]: serve start")
-                entry.update(measure_serve_start(model_path, request.threads, _worker_env(request.threads),
+                entry.update(measure_serve_start(model_path, request.threads, worker_env(request.threads),
                                                  spec.options.get("dtype")))
             if entry["status"] == "ok":
                 progress.console.print(f"[green]✓[/green] {spec.label}: done in {entry['elapsed_seconds']:.1f}s")
