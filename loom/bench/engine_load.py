@@ -54,8 +54,9 @@ def _settings(plan: dict[str, Any]) -> LoadSettings:
 def run_engine_load(settings: Sequence[LoadSettings], gguf: Path, threads: int,
                     timeout: float | None = None) -> list[dict[str, Any]]:
     """Every plan through the engine in a child process; BenchError with its last lines if it fails."""
-    done = subprocess.run([sys.executable, "-m", "loom.bench.engine_load"], input=json.dumps(job(settings, gguf, threads)),
-                          capture_output=True, text=True, env=worker_env(threads), timeout=timeout)
+    done = subprocess.run([sys.executable, "-m", "loom.bench.engine_load"],
+                          input=json.dumps(job(settings, gguf, threads)), capture_output=True, text=True,
+                          env=worker_env(threads), timeout=timeout)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])

@@ -470,7 +470,8 @@ def run_load(settings: LoadSettings, progress: Any = None, cpu: Callable[[], flo
                 raise _warmup_error(settings, warmup)
             for plan in plans:
                 if task is not None:
-                    progress.update(task, description=f"rate {rate_label(plan.rate)} req/s, {len(plan.prompts)} requests")
+                    progress.update(task, description=f"rate {rate_label(plan.rate)} req/s, "
+                                                      f"{len(plan.prompts)} requests")
                 c0, t0 = cpu() if cpu else None, time.perf_counter()
                 records = await run_rate(client, settings, model, plan,
                                          (lambda: progress.advance(task)) if task is not None else (lambda: None))

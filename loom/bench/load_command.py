@@ -95,7 +95,8 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
     threads = threads or physical_cores()
     with Progress(*COLUMNS, console=err, transient=True) as progress:
         report = run_comparison(columns, plans, gguf, threads, rounds,
-                                load=lambda s, **kw: run_load(s, progress, **kw), log=lambda m: progress.console.print(escape(m)),
+                                load=lambda s, **kw: run_load(s, progress, **kw),
+                                log=lambda m: progress.console.print(escape(m)),
                                 on_run=lambda partial: _save(partial, json_path))
     header, rows = table(report)
     sampled = (f", temperature {plans[0].temperature:g}"

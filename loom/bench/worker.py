@@ -2,8 +2,8 @@
 
 ENGINE is a peer spec (``loom``, ``loom:float32``, ``transformers``, ``llama.cpp``); JOB is the
 path of the JSON job the harness wrote (`make_job`); OPTIONS, the peer's options as JSON, replace
-the ones ENGINE names (``loom bench --kv-cache-dtype int8`` sets one on the peer ``loom``). The worker loads the engine, warms it up,
-runs every suite and exits. Its own process makes peak RSS this engine's alone.
+the ones ENGINE names (``loom bench --kv-cache-dtype int8`` sets one on the peer ``loom``). The
+worker loads the engine, warms it up, runs every suite and exits. Its own process makes peak RSS this engine's alone.
 
 Protocol: the worker writes JSON lines to its original stdout, one event each:
 
