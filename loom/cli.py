@@ -329,6 +329,9 @@ def serve(
     engine_process: bool = typer.Option(True, "--engine-process/--no-engine-process",
                                         help="Run the engine in its own process (the HTTP front end in this "
                                              "one); --no-engine-process keeps it on a thread here."),
+    engine_restarts: int = typer.Option(3, "--engine-restarts", min=0,
+                                        help="Start a new engine process when it dies, at most N times in 10 "
+                                             "minutes (0: never; the server then answers 503 until restarted)."),
     replicas: int | None = typer.Option(
         None, "--replicas", help="Serve with N engine replicas on Ray Serve behind this endpoint (threads per "
                                  "replica: --threads, default cores / N); see docs/cluster.md."),
@@ -372,7 +375,7 @@ def serve(
         from loom.cluster.launch import run_cluster
 
         return run_cluster(config, cluster, **front)
-    _serve_here(config, engine_process, front)
+    _serve_here(config, engine_process, front, engine_restarts)
 
 
 def _cors(origins: str, credentials: bool):
@@ -398,11 +401,11 @@ def _start_engine_fork_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def _serve_here(config, engine_process: bool, front: dict[str, Any]) -> None:
+def _serve_here(config, engine_process: bool, front: dict[str, Any], engine_restarts: int) -> None:
     """One server on this machine (the engine's fork server already started, see above)."""
     from loom.server.serve import run_server
 
-    run_server(config, engine_process=engine_process, **front)
+    run_server(config, engine_process=engine_process, engine_restarts=engine_restarts, **front)
 
 
 def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router,

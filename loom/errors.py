@@ -38,6 +38,14 @@ class EngineDeadError(LoomError):
     """The engine (its process or thread) is gone: nothing can be served until it is restarted."""
 
 
+class EngineRestartingError(EngineDeadError):
+    """The engine process died and a new one is loading the model: retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def check_option_keys(name: str, value: dict, known: list[str], required: str, choices) -> None:
     """InvalidRequestError for an options object `name` (e.g. speculative_config) with keys not
     in `known`, or without its `required` key (one of `choices`)."""

@@ -2,7 +2,7 @@
 
 Real `loom serve` processes (tests/loom_server.py) over a tiny llama: the engine process is
 killed mid-stream (the stream ends with an error event, a waiting non-streamed request gets
-503, /health and new requests get 503 with Retry-After); SIGTERM and SIGINT leave no process
+503, /health and new requests get 503 with Retry-After) and, by default, replaced; SIGTERM and SIGINT leave no process
 behind; `--no-engine-process` still serves.
 """
 
@@ -121,7 +121,8 @@ def test_add_request_round_trip() -> None:
 
 
 def test_killed_engine_fails_streams_and_answers_503(long_model, tmp_path) -> None:
-    server = start("killed", long_model, tmp_path)
+    """With --engine-restarts 0 the engine stays gone: 503 to everything, the front end up."""
+    server = start("killed", long_model, tmp_path, "--engine-restarts", "0")
     try:
         [engine] = engine_children(server)
         body = {"model": "tiny-long", "prompt": "hello", "max_tokens": 15000, "ignore_eos": True,
@@ -161,6 +162,76 @@ def test_killed_engine_fails_streams_and_answers_503(long_model, tmp_path) -> No
         assert server.process.poll() is None  # the front end stays up and says so
     finally:
         server.stop()
+
+
+def test_a_killed_engine_is_restarted_within_its_budget(long_model, tmp_path) -> None:
+    """The default: a new engine process replaces a killed one. The stream it was running ends
+    with an error event, then requests are served again (the 503s while it loads: the test
+    below). Past --engine-restarts (here 1) it stays gone."""
+    server = start("restarted", long_model, tmp_path, "--engine-restarts", "1")
+    try:
+        [engine] = engine_children(server)
+        body = {"model": "tiny-long", "prompt": "hello", "max_tokens": 15000, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            engine.kill()
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "engine process exited" in events[-2]
+        wait_for(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 200, what="a ready engine")
+        [successor] = engine_children(server)
+        assert successor.pid != engine.pid
+        after = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+                           timeout=60)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+        assert "loom:engine_restarts_total{model_name=" in httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert _metric(server, "loom:engine_restarts_total") == 1.0
+        successor.kill()   # the budget is spent: this one is not replaced
+        health = wait_for(lambda: (h := httpx.get(f"{server.url}/health", timeout=10)).status_code == 503 and h,
+                          what="503 from /health")
+        assert "not restarted" in health.json()["error"]["message"]
+        assert not engine_children(server) and server.process.poll() is None
+    finally:
+        server.stop()
+
+
+def test_requests_get_503_while_the_new_engine_process_loads(long_model, monkeypatch) -> None:
+    """ProcessEngineClient in this process, the new engine held back until released: meanwhile
+    generate() raises EngineRestartingError, and the app's /health and requests answer 503 with
+    Retry-After; once it is ready, requests run on it."""
+    from fastapi.testclient import TestClient
+
+    from loom.config import EngineConfig
+    from loom.errors import EngineRestartingError
+    from loom.server.engine_client import ProcessEngineClient
+    from loom.server.openai_api import build_app
+
+    client = ProcessEngineClient(EngineConfig.create(str(long_model), threads=1, num_blocks=64))
+    release = threading.Event()
+    spawn = client._spawn_and_wait
+    monkeypatch.setattr(client, "_spawn_and_wait", lambda: release.wait(60) and spawn())
+    with TestClient(build_app(client, served_model_name="tiny")) as http:
+        first = client.process
+        first.kill()
+        wait_for(lambda: isinstance(client.error, EngineRestartingError), what="the restart to begin")
+        for r in (http.get("/health"), http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})):
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "engine_unavailable"
+            assert "a new one is loading the model" in r.json()["error"]["message"]
+        assert http.get("/health").json()["error"]["message"].startswith("engine restarting: ")
+        release.set()
+        wait_for(lambda: http.get("/health").status_code == 200, what="the new engine")
+        assert client.process.pid != first.pid and client.restarts == 1
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def _metric(server: LoomServer, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
 
 
 def _running(server: LoomServer) -> float:

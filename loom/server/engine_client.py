@@ -21,19 +21,24 @@ around an engine. This module imports neither it nor the engine: the default fro
 without torch.
 
 When the engine process dies, every open stream gets `EngineDeadError` (a stream's error
-event; a non-streamed request's 503), new requests are refused with 503 + Retry-After, and
-/health answers 503.
+event; a non-streamed request's 503) and a new engine process is started (at most `restarts`
+times within RESTART_WINDOW_S): while it loads the model, new requests and /health get 503 with
+Retry-After (the seconds the first one took to load); then serving goes on. Past that budget
+the engine stays gone: 503 to everything, for a supervisor to restart the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import os
 import pickle
 import shutil
 import tempfile
+import threading
+import time
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Protocol
@@ -43,7 +48,7 @@ import zmq.asyncio
 
 from loom import errors as loom_errors
 from loom.config import EngineConfig
-from loom.errors import EngineDeadError, LoomError
+from loom.errors import EngineDeadError, EngineRestartingError, LoomError
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import Tokenizer
@@ -56,6 +61,8 @@ log = logging.getLogger("loom.server")
 
 STARTUP_POLL_MS = 200
 SHUTDOWN_GRACE_S = 5.0
+DEFAULT_ENGINE_RESTARTS = 3     # engine processes started anew after one dies, within RESTART_WINDOW_S
+RESTART_WINDOW_S = 600.0
 
 
 def engine_process_context():
@@ -125,42 +132,68 @@ class ProcessEngineClient:
 
     The constructor starts the process and returns once the model is loaded (raising the
     engine's LoomError if it cannot load); `start()` (inside the server's event loop) starts
-    reading its outputs."""
+    reading its outputs. An engine process that dies while serving is replaced (`restarts` times
+    within RESTART_WINDOW_S at most; 0: never): its requests end with EngineDeadError, requests
+    arriving while the new one loads get EngineRestartingError (503 with Retry-After), and the
+    counters of /metrics start again from zero (a counter reset) with the new process."""
 
-    def __init__(self, config: EngineConfig, log_level: str = "info"):
-        self._dir = tempfile.mkdtemp(prefix="loom-engine-")
-        self._input_addr = f"ipc://{self._dir}/input"
-        self._output_addr = f"ipc://{self._dir}/output"
+    def __init__(self, config: EngineConfig, log_level: str = "info", restarts: int = DEFAULT_ENGINE_RESTARTS):
+        self._args = (config, log_level)
+        self._max_restarts = restarts
+        self._restart_times: list[float] = []
+        self.restarts = 0                   # engine processes started after the first
         self._zmq = zmq.asyncio.Context(1)
-        # requests go out through a plain socket (sent without blocking, from any thread),
-        # outputs come in through an asyncio one read by the loop
-        self._input = zmq.Context.instance().socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # a burst of requests during a long step queues, never fails
-        self._input.bind(self._input_addr)
-        self._output = self._zmq.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(self._output_addr)
         self._encoder = wire.input_encoder()
         self._decoder = wire.output_decoder()
-        self._deltas = wire.DeltaDecoder()
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._restarting: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()       # the process being replaced vs. shutdown() from another thread
         self._stopping = False
         self.error: BaseException | None = None
-        self.process = engine_process_context().Process(
-            target=_engine_process_main, name="loom-engine-core", daemon=True,
-            args=(config, self._input_addr, self._output_addr, log_level, os.getpid()))
-        self.process.start()
+        started = time.monotonic()
+        self._spawn()
         try:  # the tokenizer loads here while the engine process loads the model
             self.tokenizer = Tokenizer.from_gguf(GGUFFile.open(resolve_model(config.load.model)))
             ready = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
+        self._load_seconds = time.monotonic() - started
         self.model_name, self.max_model_len, self.vocab_size = ready.model_name, ready.max_model_len, ready.vocab_size
         self._stats = ready.stats
+
+    def _spawn(self) -> None:
+        """New sockets (at new addresses: nothing meant for a dead process reaches its successor)
+        and an engine process that connects to them."""
+        with self._lock:
+            if self._stopping:
+                raise EngineDeadError("the server is shutting down")
+            self._dir = tempfile.mkdtemp(prefix="loom-engine-")
+            input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+            # requests go out through a plain socket (sent without blocking, from any thread),
+            # outputs come in through an asyncio one read by the loop
+            self._input = zmq.Context.instance().socket(zmq.PUSH)
+            self._input.setsockopt(zmq.LINGER, 0)
+            self._input.setsockopt(zmq.SNDHWM, 0)  # a burst of requests during a long step queues, never fails
+            self._input.bind(input_addr)
+            self._output = self._zmq.socket(zmq.PULL)
+            self._output.setsockopt(zmq.LINGER, 0)
+            self._output.bind(output_addr)
+            self._deltas = wire.DeltaDecoder()
+        config, log_level = self._args
+        process = engine_process_context().Process(
+            target=_engine_process_main, name="loom-engine-core", daemon=True,
+            args=(config, input_addr, output_addr, log_level, os.getpid()))
+        process.start()   # asks the fork server: not under the lock, which shutdown() takes
+        with self._lock:
+            self.process = process
+            stopping = self._stopping
+        if stopping:   # shutdown() came while it started and stopped the one before: this one too
+            process.kill()
+            process.join()
+            raise EngineDeadError("the server is shutting down")
 
     def _wait_ready(self) -> wire.Ready:
         raw = zmq.Socket.shadow(self._output.underlying)  # a blocking view of the same socket
@@ -190,9 +223,12 @@ class ProcessEngineClient:
     def shutdown(self) -> None:
         """Stops the engine process (politely, then by signal) and removes its sockets; the
         reader task ends with the sockets. Safe to call twice and from another thread."""
-        if self._stopping:
-            return
-        self._stopping = True
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        if self._restarting is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._restarting.cancel)
         if self.process.is_alive():
             try:
                 self._input.send(self._encoder.encode(wire.Shutdown()), zmq.NOBLOCK)
@@ -290,7 +326,8 @@ class ProcessEngineClient:
                 self._fail(EngineDeadError(f"the engine process failed: {msg.message}"))
 
     def _on_exit(self) -> None:
-        """The engine process ended (its sentinel became readable)."""
+        """The engine process ended (its sentinel became readable): its requests fail, and a new
+        one is started where the restart budget allows."""
         assert self._loop is not None
         self._loop.remove_reader(self.process.sentinel)
         if self._stopping:
@@ -298,10 +335,50 @@ class ProcessEngineClient:
         self.process.join(0.1)
         code = self.process.exitcode
         log.error("the engine process (pid %s) exited with status %s", self.process.pid, code)
-        if self.error is None:
-            self._fail(EngineDeadError(f"the engine process exited (status {code})"))
-        else:
-            self._fail(self.error)
+        self._fail(self.error if self.error is not None else EngineDeadError(f"the engine process exited (status {code})"))
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
+        if len(self._restart_times) >= self._max_restarts:
+            if self._max_restarts:
+                self.error = EngineDeadError(
+                    f"the engine process exited (status {code}); not restarted: it was restarted "
+                    f"{len(self._restart_times)} times in the last {RESTART_WINDOW_S / 60:.0f} minutes "
+                    f"(loom serve --engine-restarts)")
+            return
+        self._restart_times.append(now)
+        self.error = EngineRestartingError(f"the engine process exited (status {code}); a new one is loading the model",
+                                           retry_after=max(1, math.ceil(self._load_seconds)))
+        self._restarting = self._loop.create_task(self._restart(), name="loom-engine-restart")
+
+    async def _restart(self) -> None:
+        """Replaces the dead engine process: new sockets, a new process, its Ready awaited on a
+        thread (the event loop keeps answering 503s meanwhile)."""
+        assert self._loop is not None
+        old_reader, self._reader = self._reader, None
+        self._close_now()
+        if old_reader is not None:
+            old_reader.cancel()
+        try:
+            ready = await asyncio.to_thread(self._spawn_and_wait)
+        except asyncio.CancelledError:   # shutdown() while the new process loads
+            return
+        except Exception as e:  # noqa: BLE001 - the server stays up and says why
+            if not self._stopping:
+                log.error("could not restart the engine process: %s", e)
+                self.error = EngineDeadError(f"the engine process exited and could not be restarted: {e}")
+            return
+        if self._stopping:
+            return
+        self._stats = ready.stats
+        self.restarts += 1
+        self._reader = self._loop.create_task(self._read(), name="loom-engine-outputs")
+        self._loop.add_reader(self.process.sentinel, self._on_exit)
+        self.error = None
+        log.warning("engine process restarted (pid %s)", self.process.pid)
+
+    def _spawn_and_wait(self) -> wire.Ready:
+        self._spawn()
+        return self._wait_ready()
 
     def _fail(self, error: BaseException) -> None:
         self.error = error
@@ -316,12 +393,14 @@ def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
-def engine_client(config: EngineConfig, *, engine_process: bool = True, log_level: str = "info"):
-    """The client `loom serve` uses: the engine in its own process (default) or in this one.
-    Only the second imports the engine (torch) into this process: the front end of the
-    default starts in half the time without it."""
+def engine_client(config: EngineConfig, *, engine_process: bool = True, log_level: str = "info",
+                  engine_restarts: int = DEFAULT_ENGINE_RESTARTS):
+    """The client `loom serve` uses: the engine in its own process (default; restarted up to
+    `engine_restarts` times within RESTART_WINDOW_S when it dies) or in this one. Only the second
+    imports the engine (torch) into this process: the front end of the default starts in half the
+    time without it."""
     if engine_process:
-        return ProcessEngineClient(config, log_level=log_level)
+        return ProcessEngineClient(config, log_level=log_level, restarts=engine_restarts)
     from loom.server.in_process import in_process_client
 
     return in_process_client(config)

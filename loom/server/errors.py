@@ -5,7 +5,8 @@ Rules:
 * a client mistake is a 4xx with ``{"error": {"message", "type", "param", "code"}}`` and is
   never logged with a traceback;
 * `QueueFullError` (the bounded waiting queue is full) is a 429 with ``Retry-After``;
-* `EngineDeadError` (the engine process is gone) is a 503 with ``Retry-After``;
+* `EngineDeadError` (the engine process is gone) is a 503 with ``Retry-After``: the time a new
+  engine process took to load while one restarts (`EngineRestartingError`), else 10 s;
 * any other `LoomError` raised while handling a request is the client's input (a prompt the
   chat template rejects, a prompt longer than the context, ...) and is a 400;
 * only a bug is a 500; its traceback is logged by the server, its body stays generic.
@@ -21,12 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loom.errors import EngineDeadError, LoomError, QueueFullError
+from loom.errors import EngineDeadError, EngineRestartingError, LoomError, QueueFullError
 from loom.server.protocol import IGNORED_FIELDS, ErrorInfo, ErrorResponse
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
-# ... and one told "the engine is gone" (a supervisor restarts the server).
+# ... and one told "the engine is gone" for good (a supervisor restarts the server).
 ENGINE_RETRY_AFTER_SECONDS = 10
 
 INVALID_REQUEST = "invalid_request_error"
@@ -79,9 +80,14 @@ def api_error_from_loom(e: LoomError) -> ApiError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(e, EngineDeadError):
         return ApiError(503, message, type=SERVER_ERROR, code="engine_unavailable",
-                        headers={"Retry-After": str(ENGINE_RETRY_AFTER_SECONDS)})
+                        headers={"Retry-After": str(engine_retry_after(e))})
     match = _LEADING_FIELD.match(message)
     return ApiError(400, message, param=match.group(1) if match else None)
+
+
+def engine_retry_after(e: EngineDeadError) -> int:
+    """Seconds a client should wait before retrying while the engine is unavailable."""
+    return e.retry_after if isinstance(e, EngineRestartingError) else ENGINE_RETRY_AFTER_SECONDS
 
 
 def _param_of(loc: tuple[Any, ...]) -> str | None:

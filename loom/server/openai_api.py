@@ -36,16 +36,16 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
-from loom.errors import EngineDeadError, LoomError, TokenizerError
+from loom.errors import EngineDeadError, EngineRestartingError, LoomError, TokenizerError
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
 from loom.server.engine_client import EngineClient
 from loom.server.errors import (
-    ENGINE_RETRY_AFTER_SECONDS,
     INVALID_REQUEST,
     ApiError,
     ClientDisconnected,
+    engine_retry_after,
     install_error_handlers,
 )
 from loom.server.limits import BodySizeLimit, Cors
@@ -866,12 +866,15 @@ def _add_service_routes(app: FastAPI, ae: EngineClient, metrics: ServerMetrics) 
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS})
     async def health():
-        """200 while the engine is alive; 503 (with Retry-After) once it is gone."""
-        if ae.error is not None:
+        """200 while the engine is alive; 503 (with Retry-After) while a new engine process loads
+        after one died, and once the engine is gone for good."""
+        error = ae.error
+        if error is not None:
+            what = "engine restarting" if isinstance(error, EngineRestartingError) else "engine failed"
             return JSONResponse(ErrorResponse.model_validate(
-                {"error": {"message": f"engine failed: {ae.error}", "type": "server_error",
+                {"error": {"message": f"{what}: {error}", "type": "server_error",
                            "code": "engine_unavailable"}}).model_dump(),
-                status_code=503, headers={"Retry-After": str(ENGINE_RETRY_AFTER_SECONDS)})
+                status_code=503, headers={"Retry-After": str(engine_retry_after(error))})
         return HealthResponse()
 
     @app.get("/version", response_model=VersionResponse)

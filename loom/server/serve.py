@@ -4,7 +4,8 @@ By default the engine runs in its own process (`loom/server/engine_core.py`) and
 is the HTTP front end; `engine_process=False` keeps the engine on a thread of this process.
 The model is loaded before the socket is bound, so a bad model path fails the command with
 its `LoomError` message instead of a half-started server; uvicorn logs the address once it
-listens. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process.
+listens. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process. An engine process
+that dies while serving is replaced (`engine_restarts`, see ProcessEngineClient).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import uvicorn
 
 from loom.config import EngineConfig
-from loom.server.engine_client import engine_client
+from loom.server.engine_client import DEFAULT_ENGINE_RESTARTS, engine_client
 from loom.server.limits import Cors
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
 
@@ -34,10 +35,12 @@ class _Server(uvicorn.Server):
 def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_tokens_limit: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-               access_log: bool = True, engine_process: bool = True, cors: Cors | None = Cors()) -> None:
+               access_log: bool = True, engine_process: bool = True, cors: Cors | None = Cors(),
+               engine_restarts: int = DEFAULT_ENGINE_RESTARTS) -> None:
     """Loads the model of `config` and serves it until interrupted (Ctrl-C / SIGTERM)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    client = engine_client(config, engine_process=engine_process, log_level=log_level)
+    client = engine_client(config, engine_process=engine_process, log_level=log_level,
+                           engine_restarts=engine_restarts)
     try:
         app = build_app(client, api_key=api_key, served_model_name=served_model_name,
                         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, cors=cors)
