@@ -335,7 +335,8 @@ class ProcessEngineClient:
         self.process.join(0.1)
         code = self.process.exitcode
         log.error("the engine process (pid %s) exited with status %s", self.process.pid, code)
-        self._fail(self.error if self.error is not None else EngineDeadError(f"the engine process exited (status {code})"))
+        self._fail(self.error if self.error is not None
+                   else EngineDeadError(f"the engine process exited (status {code})"))
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
         if len(self._restart_times) >= self._max_restarts:
@@ -346,8 +347,9 @@ class ProcessEngineClient:
                     f"(loom serve --engine-restarts)")
             return
         self._restart_times.append(now)
-        self.error = EngineRestartingError(f"the engine process exited (status {code}); a new one is loading the model",
-                                           retry_after=max(1, math.ceil(self._load_seconds)))
+        self.error = EngineRestartingError(
+            f"the engine process exited (status {code}); a new one is loading the model",
+            retry_after=max(1, math.ceil(self._load_seconds)))
         self._restarting = self._loop.create_task(self._restart(), name="loom-engine-restart")
 
     async def _restart(self) -> None:
