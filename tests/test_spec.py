@@ -596,7 +596,9 @@ def test_spec_metrics_are_exported_with_vllm_names(tiny_parts):
     engine = tiny_engine(tiny_parts, method_config("prompt_lookup"))
     run(engine, REPEATING[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
 
-    class Snap:  # an engine client's stats()
+    class Snap:  # an engine client's stats() and restarts
+        restarts = 0
+
         def stats(self):
             return read_engine_sample(engine)
 

@@ -6,6 +6,7 @@ The interface (what openai_api.py, choices and metrics use):
     abort(request_id)                                        # ends it, frees its KV blocks
     stats() -> EngineSample                                  # /metrics, /v1/loom/stats
     tokenizer, model_name, max_model_len, vocab_size, error  # error: why the engine is gone
+    restarts                                                 # engines started anew after one died
     start() / shutdown()                                     # with the app's lifespan
 
 `ProcessEngineClient` (the default of `loom serve`):
@@ -114,6 +115,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     error: BaseException | None
+    restarts: int                   # engines started anew after one died
 
     def start(self) -> None: ...
 

@@ -100,7 +100,7 @@ class _EngineCollector(Collector):
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("loom:engine_restarts", "Engine processes started anew after one died (loom serve "
                       "--engine-restarts); the engine counters above start from zero with each.",
-                      getattr(self.ae, "restarts", 0))
+                      self.ae.restarts)
         if s.spec is not None:
             yield from _spec_metrics(s.spec, labels, counter)
 
