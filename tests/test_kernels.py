@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from loom import kernels
 from loom.kernels.cpu import cpu_flags
+from loom.model.kv_cache import KVCacheTensors, cache_rows, store_rows
 from loom.model.kv_dtypes import FORMATS, kv_format
 from loom.model.layers.attention import AttentionMetadata, paged_attention, tree_attention_mask
 from loom.model.layers.linear import PRE_GEGLU, PRE_NONE, PRE_RMSNORM, PRE_SWIGLU, QuantLinear, make_linear
@@ -715,6 +717,76 @@ def test_rope_store_and_decode_attention_match_torch(window, fmt, D):
     if f.kernel_id:   # quantized: the torch path over the kernel's own cache (the same codes)
         ref = paged_attention(q, k, v.reshape(-1, Hkv, D), kc, vc, meta, 0.2, window, stored=True)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _block_major(rows: torch.Tensor, bs: int) -> torch.Tensor:
+    """A cache [slots, Hkv, row] as the paged layout [blocks, Hkv, bs, row] of the same rows."""
+    n, hkv, rb = rows.shape
+    return rows.view(n // bs, bs, hkv, rb).transpose(1, 2).contiguous()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("bs", [16, 8, 12])   # 12: a block size that is no power of two
+def test_a_block_major_cache_gives_the_slot_major_caches_bits(fmt, bs):
+    """The paged layout, each kv head's rows of a block contiguous, holds and yields exactly what
+    a cache with one row per (slot, kv head) does: rope_store writes the same bytes at the same
+    slots, attention reads the same rows into the same bits, and the slot helpers agree."""
+    kern = kernels.load()
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, D = 6, 3, 64
+    f = kv_format(fmt)
+    n = 20 * bs
+    kc3, vc3 = f.encode(torch.randn(n, Hkv, D, generator=g)), f.encode(torch.randn(n, Hkv, D, generator=g))
+    kc4, vc4 = _block_major(kc3, bs), _block_major(vc3, bs)
+    every = torch.arange(n)
+    assert torch.equal(cache_rows(kc4, every), kc3) and torch.equal(cache_rows(kc3, every), kc3)
+    ctx = [1, 9, 23, 40, 3 * bs + 1]
+    slots = [torch.randperm(n, generator=g)[:c] for c in ctx]
+    slot_mapping = torch.stack([s[-1] for s in slots])
+    qkv = torch.randn(len(ctx), (H + 2 * Hkv) * D, generator=g)
+    rope = RotaryEmbedding(D, 10000.0, 128)
+    positions = torch.tensor([c - 1 for c in ctx])
+    qkv3, qkv4 = qkv.clone(), qkv.clone()
+    kern.rope_store(qkv3, positions, rope.cos, rope.sin, kc3, vc3, slot_mapping, H, Hkv, None, None, 1e-6, f.kernel_id)
+    kern.rope_store(qkv4, positions, rope.cos, rope.sin, kc4, vc4, slot_mapping, H, Hkv, None, None, 1e-6, f.kernel_id)
+    assert torch.equal(cache_rows(kc4, every), kc3) and torch.equal(cache_rows(vc4, every), vc3)
+    meta = AttentionMetadata.build(slot_mapping, [1] * len(ctx), ctx, slots)
+    rows = meta.kernel_rows()
+    outs = [kern.attn_decode(qkv3, k, v, rows.slots, rows.ctx, H, Hkv, 0.125, 0, rows.groups, rows.shared,
+                             f.kernel_id, None) for k, v in ((kc3, vc3), (kc4, vc4))]
+    assert torch.equal(outs[0], outs[1])
+    # the torch path reads the paged layout through the same helper
+    qk = qkv3.view(-1, H + 2 * Hkv, D)
+    ref = paged_attention(qk[:, :H], qk[:, H:H + Hkv], qk[:, H + Hkv:], kc4, vc4, meta, 0.125, None, stored=True)
+    torch.testing.assert_close(outs[1], ref, rtol=1e-4, atol=1e-5)
+    # store_rows writes where cache_rows reads
+    new = f.encode(torch.randn(5, Hkv, D, generator=g))
+    at = torch.tensor([0, bs - 1, bs, 7 * bs + 3, n - 1])
+    store_rows(kc4, at, new)
+    store_rows(kc3, at, new)
+    assert torch.equal(cache_rows(kc4, at), new) and torch.equal(cache_rows(kc4, every), kc3)
+
+
+def test_the_cache_tensors_move_slots_and_copy_blocks_in_the_paged_layout():
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=16)
+    kv = KVCacheTensors(cfg, 64, torch.float32, block_size=16)
+    assert kv.layers[0][0].shape == (4, 3, 16, 16)
+    for k, v in kv.layers:
+        k.copy_(torch.randn(k.shape))
+        v.copy_(torch.randn(v.shape))
+    before = [(cache_rows(k, torch.arange(64)).clone(), cache_rows(v, torch.arange(64)).clone()) for k, v in kv.layers]
+    kv.move_slots(torch.tensor([1, 17, 40]), torch.tensor([63, 2, 30]))
+    kv.copy_blocks([(0, 3)], 16)
+    for (k, v), (k0, v0) in zip(kv.layers, before):
+        want = k0.clone()
+        want[[63, 2, 30]] = k0[[1, 17, 40]]
+        want[48:64] = want[0:16]
+        assert torch.equal(cache_rows(k, torch.arange(64)), want)
+    with pytest.raises(ValueError, match="blocks of 8 slots"):
+        kv.copy_blocks([(0, 1)], 8)
+    with pytest.raises(ValueError, match="no whole number of blocks"):
+        KVCacheTensors(cfg, 60, torch.float32, block_size=16)
 
 
 @needs_kernels

@@ -102,7 +102,7 @@ class ModelRunner:
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         self.vocab_size = model.cfg.vocab_size
         self.stop_token_ids = stop_token_ids
-        self.kv = KVCacheTensors(model.cfg, num_blocks * block_size, kv_dtype)
+        self.kv = KVCacheTensors(model.cfg, num_blocks * block_size, kv_dtype, block_size)
         self.sampler = Sampler(seed, kernels=kernels.load())
         self.states: dict[str, _ReqState] = {}
         self.spec = spec

@@ -151,9 +151,9 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
   const int64_t ld = qkv.stride(0);
   with_kv_format(k_cache, kv_format, [&](auto c) {
     using C = decltype(c);
-    TORCH_CHECK(C::fits(D) && kv_head_dim<C>(k_cache) == D && k_cache.size(1) == Hkv,
-                "caches must be [slots, Hkv, D] in their format");
-    const int64_t rb = C::row_bytes(D);
+    TORCH_CHECK(C::fits(D) && kv_head_dim<C>(k_cache) == D && k_cache.sizes() == v_cache.sizes(),
+                "caches must be [slots, Hkv, D] or [blocks, Hkv, block_size, D] in their format");
+    const CacheLayout lay = cache_layout(k_cache, Hkv, C::row_bytes(D));
     at::parallel_for(0, T, T < 8 ? T : 4, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         float* row = base + t * ld;
@@ -161,8 +161,8 @@ void rope_store(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, t
         const float* s = st + pos[t] * D;
         for (int64_t h = 0; h < H + Hkv; ++h) norm_rope_head<Isa>(row + h * D, h < H ? qn : kn, (float)eps, c, s, D);
         for (int64_t h = 0; h < Hkv; ++h) {
-          kv_store_row<Isa, C>(kc + (sl[t] * Hkv + h) * rb, row + (H + h) * D, D);
-          kv_store_row<Isa, C>(vc + (sl[t] * Hkv + h) * rb, row + (H + Hkv + h) * D, D);
+          kv_store_row<Isa, C>(kc + lay.offset(sl[t], h), row + (H + h) * D, D);
+          kv_store_row<Isa, C>(vc + lay.offset(sl[t], h), row + (H + Hkv + h) * D, D);
         }
       }
     });
@@ -179,9 +179,8 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
                           c10::optional<torch::Tensor> groups, c10::optional<torch::Tensor> shared,
                           int64_t kv_format, c10::optional<torch::Tensor> first) {
   check_f32_rows(q, "q");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == Hkv,
-              "caches must be contiguous [slots, Hkv, row] and of one dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.sizes() == v_cache.sizes(),
+              "the K and V caches must be of one shape and dtype");
   const int64_t R = q.size(0);
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.size(0) == R && slots.stride(1) == 1,
               "slots must be an int64 [rows, L] tensor");
@@ -212,11 +211,12 @@ torch::Tensor attn_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor 
     const int64_t D = kv_head_dim<C>(k_cache);
     TORCH_CHECK(q.size(1) >= H * D && C::fits(D) && D <= 1024 && H % Hkv == 0,
                 "q must hold H * D values per row, D a multiple of 16");
+    const CacheLayout lay = cache_layout(k_cache, Hkv, C::row_bytes(D));
     out = torch::empty({R, H * D}, q.options());
     if (R == 0) return;
     auto run = [&](auto nv) {
       const PagedAttn<C> a{q.data_ptr<float>(), q.stride(0), (const uint8_t*)k_cache.data_ptr(),
-                           (const uint8_t*)v_cache.data_ptr(), C::row_bytes(D), slots.data_ptr<int64_t>(),
+                           (const uint8_t*)v_cache.data_ptr(), lay, slots.data_ptr<int64_t>(),
                            slots.stride(0), cl_t.data_ptr<int64_t>(), gs_t.data_ptr<int64_t>(),
                            sh_t.data_ptr<int64_t>(), NG, H, Hkv, D, (float)scale, window,
                            first.has_value() ? fk_t.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),

@@ -151,10 +151,35 @@ inline void with_kv_format(const torch::Tensor& cache, int64_t format, F&& f) {
   }
 }
 
-// head size D of a cache [slots, Hkv, last] in format C (last: D values, or a quantized row's bytes)
+// Where a cache's rows lie. A paged cache is [blocks, Hkv, bs, row]: the bs rows of one kv head
+// in one block are contiguous (2 KB of SmolLM2's float16 keys in a 16-slot block), so attention
+// reads each (sequence, kv head) as runs the hardware prefetchers follow, not rows a slot's
+// other heads apart (1 KB apart at 8 kv heads of 128 floats). A cache [slots, Hkv, row] is the
+// same with bs = 1. Slot s is row s % bs of block s / bs.
+struct CacheLayout {
+  int64_t Hkv, rb, bs, shift;   // rb: bytes a row; shift: log2(bs) where bs is a power of two, else -1
+  LOOM_INLINE int64_t offset(int64_t slot, int64_t kh) const {
+    const int64_t b = shift >= 0 ? slot >> shift : slot / bs, o = shift >= 0 ? slot & (bs - 1) : slot % bs;
+    return ((b * Hkv + kh) * bs + o) * rb;
+  }
+};
+
+// the layout of a contiguous cache [slots, Hkv, row] or [blocks, Hkv, bs, row] of rb-byte rows
+inline CacheLayout cache_layout(const torch::Tensor& cache, int64_t Hkv, int64_t rb) {
+  TORCH_CHECK(cache.is_contiguous() && (cache.dim() == 3 || cache.dim() == 4) && cache.size(1) == Hkv,
+              "caches must be contiguous [slots, Hkv, row] or [blocks, Hkv, block_size, row]");
+  const int64_t bs = cache.dim() == 4 ? cache.size(2) : 1;
+  TORCH_CHECK(bs >= 1, "a cache's block size must be at least 1");
+  int64_t shift = -1;
+  if ((bs & (bs - 1)) == 0)
+    for (shift = 0; (int64_t{1} << shift) < bs; ++shift) {}
+  return CacheLayout{Hkv, rb, bs, shift};
+}
+
+// head size D of a cache [..., last] in format C (last: D values, or a quantized row's bytes)
 template <class C>
 inline int64_t kv_head_dim(const torch::Tensor& cache) {
-  const int64_t last = cache.size(2);
+  const int64_t last = cache.size(cache.dim() - 1);
   if constexpr (!C::kRotated) return last;
   for (int64_t D = 16; D <= 1024; D += 16)
     if (C::fits(D) && C::row_bytes(D) == last) return D;

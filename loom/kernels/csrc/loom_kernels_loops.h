@@ -806,8 +806,8 @@ template <class C>
 struct PagedAttn {   // attn_decode's arguments (see there) as raw pointers
   const float* q;
   int64_t ldq;
-  const uint8_t *kc, *vc;        // row (slot, kv head) at (slot * Hkv + kh) * rb
-  int64_t rb;
+  const uint8_t *kc, *vc;        // row (slot, kv head) at lay.offset(slot, kh) (loom_kernels_kv.h)
+  CacheLayout lay;
   const int64_t* slots;
   int64_t lds;
   const int64_t *ctx, *group_start, *shared;
@@ -819,7 +819,7 @@ struct PagedAttn {   // attn_decode's arguments (see there) as raw pointers
   float* part;                   // partial results [rows from part_row0][H][NP][PS] (PS = PART_O + D)
   int64_t NP, PS, part_row0;
   float* partial(int64_t row, int64_t h, int64_t p) const { return part + (((row - part_row0) * H + h) * NP + p) * PS; }
-  const uint8_t* row(const uint8_t* cache, int64_t slot, int64_t kh) const { return cache + (slot * Hkv + kh) * rb; }
+  const uint8_t* row(const uint8_t* cache, int64_t slot, int64_t kh) const { return cache + lay.offset(slot, kh); }
   int64_t first(int64_t row) const {
     if (first_key) return first_key[row];
     return window > 0 ? std::max<int64_t>(0, ctx[row] - window) : 0;
@@ -975,7 +975,8 @@ inline void qk_queries(int64_t n, const float* const* q, const T* const* rows, i
 }
 
 // A decode batch's cache rows come from memory (32 rows of a few hundred keys are more than L3)
-// in 16-slot blocks scattered over the cache, which the hardware prefetchers do not follow: the
+// in runs of a block's rows (CacheLayout) scattered over the cache, which the hardware
+// prefetchers do not follow from one run to the next: the
 // QK loop asks for the key rows PF_BYTES of rows ahead of the ones it converts (one block of
 // SmolLM2's 128-byte rows, 4 keys of Gemma 3's 512-byte ones), and for the value rows of its
 // block, which PV reads after the softmax. Into L2 (T2): T0 requests, which hold an L1 miss
@@ -989,7 +990,7 @@ LOOM_INLINE void prefetch_rows(const PagedAttn<C>& a, const uint8_t* cache, cons
                                int64_t kh) {
   for (int64_t r = 0; r < n; ++r) {   // every line the row touches (quantized rows are not aligned)
     const uintptr_t p = (uintptr_t)a.row(cache, slots[r], kh);
-    for (uintptr_t line = p & ~(uintptr_t)63; line < p + a.rb; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T2);
+    for (uintptr_t line = p & ~(uintptr_t)63; line < p + a.lay.rb; line += 64) _mm_prefetch((const char*)line, _MM_HINT_T2);
   }
 }
 
@@ -1051,7 +1052,7 @@ LOOM_INLINE void block_scores(const PagedAttn<C>& a, AttnItem& it, const int64_t
 template <class V, int NV, class C>
 void shared_scores(const PagedAttn<C>& a, AttnItem& it) {
   const int64_t Ls = std::min(it.k1, it.P) - it.lo;
-  const int64_t dk = std::max<int64_t>(1, PF_BYTES / a.rb);   // keys ahead
+  const int64_t dk = std::max<int64_t>(1, PF_BYTES / a.lay.rb);   // keys ahead
   prefetch_rows(a, a.kc, it.shared_slots, std::min(Ls, dk), it.kh);
   for (int64_t l0 = 0; l0 < Ls; l0 += KB) {
     const int64_t mm = std::min<int64_t>(KB, Ls - l0), ahead = l0 + dk;

@@ -23,7 +23,8 @@ from loom.model.layers.rope import RotaryEmbedding, apply_rope
 from loom.model.layers.stack import DecodeStack
 from loom.model.weights import GGUFWeights, LinearWeight
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # ([slots, Hkv, D], [slots, Hkv, D]) for one layer
+# K and V of one layer, [blocks, Hkv, block_size, D] (loom/model/kv_cache.py)
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass

@@ -50,7 +50,7 @@ def kv_format(choice: str | torch.dtype | KVFormat, kernels: bool = False, head_
 
 
 def format_of(cache: torch.Tensor, head_dim: int) -> KVFormat:
-    """The format of a cache tensor [slots, kv_heads, row] holding rows of head_dim values."""
+    """The format of a cache tensor [..., row] (loom/model/kv_cache.py) holding rows of head_dim values."""
     if cache.dtype != torch.uint8:
         return kv_format(cache.dtype)
     for fmt in (INT8, INT4):

@@ -15,7 +15,7 @@ from loom.errors import InvalidRequestError
 class KVFormat:
     name: str
     kernel_id: int          # the kernels' kv_format argument
-    storage: torch.dtype    # element type of the cache tensors [slots, kv_heads, row_size(D)]
+    storage: torch.dtype    # element type of the cache tensors [..., row_size(D)] (loom/model/kv_cache.py)
     group: int = 16         # head_dim must be a multiple of this
     smooth_keys: bool = False   # models with q/k norms store k / s, read q * s (smoothing.py)
 

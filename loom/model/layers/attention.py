@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loom.model.kv_cache import cache_rows, store_rows
 from loom.model.kv_dtypes import format_of
 
 ROW_QUERY_MAX = 32   # rows per kernel group (a group converts its shared keys to float once)
@@ -217,10 +218,10 @@ class KernelRows:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    # caches: [num_slots, Hkv, row] in their format (loom/model/kv_dtypes); k, v: [T, Hkv, D]
+    # caches: [blocks, Hkv, block_size, row] in their format (loom/model/kv_cache.py); k, v: [T, Hkv, D]
     fmt = format_of(k_cache, k.shape[-1])
-    k_cache.index_copy_(0, slot_mapping, fmt.encode(k))
-    v_cache.index_copy_(0, slot_mapping, fmt.encode(v))
+    store_rows(k_cache, slot_mapping, fmt.encode(k))
+    store_rows(v_cache, slot_mapping, fmt.encode(v))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -250,8 +251,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     meta._decode_group()
     if meta.decode_seqs:
         qd = (q if out is None else q[meta.decode_tokens]).unsqueeze(2)   # [Sd, H, 1, D]
-        kd = fmt.decode(k_cache[meta.decode_slots]).transpose(1, 2).to(q.dtype)   # [Sd, Hkv, L, D]
-        vd = fmt.decode(v_cache[meta.decode_slots]).transpose(1, 2).to(q.dtype)
+        kd = fmt.decode(cache_rows(k_cache, meta.decode_slots)).transpose(1, 2).to(q.dtype)   # [Sd, Hkv, L, D]
+        vd = fmt.decode(cache_rows(v_cache, meta.decode_slots)).transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(window),
                                             scale=scale, enable_gqa=True)  # [Sd, H, 1, D]
         if out is None:
@@ -274,7 +275,7 @@ def paged_attention_stored(qkv: torch.Tensor, num_heads: int, k_cache: torch.Ten
     """Attention on loom's kernels, for a fused [T, (H + 2 Hkv) * D] projection whose q/k are
     already rotated and whose k/v are already in the cache. Returns [T, H*D]."""
     H, Hkv = num_heads, k_cache.shape[1]
-    D = qkv.shape[1] // (H + 2 * Hkv)       # the cache's rows may be quantized: not k_cache.shape[2]
+    D = qkv.shape[1] // (H + 2 * Hkv)       # the cache's rows may be quantized: not k_cache.shape[-1]
     if meta.observe_rows is not None:      # a view per layer and step costs more than the check
         _observe(meta, qkv.view(qkv.shape[0], -1, D)[:, :num_heads], window)
     rows = meta.kernel_rows()
@@ -310,8 +311,8 @@ def _prefill_one(q, k_new, v_new, k_cache, v_cache, slots, ctx, tree_mask, scale
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     key_slots = slots[first:ctx]
-    kh = fmt.decode(k_cache[key_slots]).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
-    vh = fmt.decode(v_cache[key_slots]).transpose(0, 1).unsqueeze(0).to(q.dtype)
+    kh = fmt.decode(cache_rows(k_cache, key_slots)).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx-first, D]
+    vh = fmt.decode(cache_rows(v_cache, key_slots)).transpose(0, 1).unsqueeze(0).to(q.dtype)
     q_pos = kv_pos[ctx - n:ctx].unsqueeze(1)                          # [n, 1]
     if tree_mask is not None:  # a tree node's position: the new tokens it sees, after the context
         q_pos = (ctx - n - 1 + tree_mask.sum(dim=1)).unsqueeze(1)

@@ -65,7 +65,7 @@ class DraftModelDrafter(Drafter):
         self.model = load_draft_model(config, env)
         self.block_size = env.block_size
         self.kv = KVCacheManager(env.num_blocks, env.block_size, enable_prefix_caching=False)
-        self.caches = KVCacheTensors(self.model.cfg, env.num_blocks * env.block_size)
+        self.caches = KVCacheTensors(self.model.cfg, env.num_blocks * env.block_size, block_size=env.block_size)
         self.cached: dict[str, list[int]] = {}   # tokens whose KV the draft cache holds, per request
         self._cost = 0.0
 
