@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from step_profile import run
+from step_profile import run, step_arguments
 
 from loom import kernels
 from loom.config import EngineConfig
@@ -25,13 +25,8 @@ from loom.model.kv_cache import KVCacheTensors
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batches", default="8,32")
+    ap = step_arguments(argparse.ArgumentParser())
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig.create(args.model, threads=args.threads, enable_prefix_caching=False))
     runner = engine.runner

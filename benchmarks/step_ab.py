@@ -14,7 +14,7 @@ import argparse
 from collections import defaultdict
 
 from attn_batch import kernels_of
-from step_profile import run
+from step_profile import run, step_arguments
 
 from loom import kernels
 from loom.config import EngineConfig
@@ -50,14 +50,9 @@ class Switch:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = step_arguments(argparse.ArgumentParser())
     ap.add_argument("--before", required=True, help="another checkout whose kernels to compare with")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batches", default="8,32")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     after = kernels.load()
     if after is None:

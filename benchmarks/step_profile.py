@@ -52,13 +52,18 @@ def run(engine: Engine, batch: int, new_tokens: int, prompt_len: int, totals: di
     return {"batch": batch, "steps": steps, "tok_s": tokens / wall, "ms_per_step": 1000 * wall / steps}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def step_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of run()'s workload, shared by the scripts that time it."""
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="8,32")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    return ap
+
+
+def main() -> None:
+    ap = step_arguments(argparse.ArgumentParser())
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     engine = Engine(EngineConfig.create(args.model, threads=args.threads))
