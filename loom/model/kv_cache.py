@@ -55,7 +55,6 @@ class KVCacheTensors:
         self.format = kv_format(dtype, head_dim=cfg.head_dim)
         self.block_size = block_size
         # torch.empty: pages are touched only when written, so a large budget costs nothing up front
-        # (a private cache of block_size 1 is [slots, Hkv, row])
         row = self.format.row_size(cfg.head_dim)
         shape = ((num_slots, cfg.num_kv_heads, row) if block_size == 1
                  else (num_slots // block_size, cfg.num_kv_heads, block_size, row))
@@ -71,7 +70,7 @@ class KVCacheTensors:
         """Copy-on-write: block `src`'s entries into block `dst`, every layer."""
         if copies and block_size != self.block_size:
             raise ValueError(f"blocks of {block_size} slots in a cache of blocks of {self.block_size}")
-        for src, dst in copies:   # a block is one index of the paged layout (block_size rows where 1)
+        for src, dst in copies:   # a block is one index of the paged layout's first dimension
             for k, v in self.layers:
                 k[dst] = k[src]
                 v[dst] = v[src]
