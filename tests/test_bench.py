@@ -670,3 +670,31 @@ def test_spec_bench_gives_retrieval_its_datastore_and_refuses_a_missing_one(tiny
     missing = CliRunner().invoke(app, args + ["--spec-datastore", str(tmp_path / "nope")])
     assert missing.exit_code == 1 and "no such file or directory" in missing.output
     assert len(missing.output.strip().splitlines()) == 1
+
+
+def test_load_reads_sse_data_lines_however_the_network_splits_them() -> None:
+    """`_sse_data`: a data line split over reads, several in one read, one longer than aiohttp's
+    64 KiB line limit, comments and blank lines skipped, a last line without its newline."""
+    import asyncio
+
+    from loom.bench import load
+
+    long_text = "x" * 100_000
+    body = (f": a comment\n\ndata: {{\"a\": 1}}\r\n\ndata: {{\"t\": \"{long_text}\"}}\n\n"
+            "data: [DONE]").encode()
+
+    class Stream:
+        def __init__(self, pieces):
+            self.pieces = pieces
+
+        async def iter_any(self):
+            for piece in self.pieces:
+                yield piece
+
+    async def read(pieces):
+        return [d async for d in load._sse_data(Stream(pieces))]
+
+    want = [b'{"a": 1}', f'{{"t": "{long_text}"}}'.encode(), b"[DONE]"]
+    assert asyncio.run(read([body])) == want
+    assert asyncio.run(read([body[i:i + 7] for i in range(0, len(body), 7)])) == want
+    assert asyncio.run(read([bytes([b]) for b in body[:40]] + [body[40:]])) == want
