@@ -317,15 +317,18 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
 async def _sse_data(stream: Any) -> Any:
     """The payloads of a response's ``data:`` lines as they arrive (bytes, stripped), however the
     network splits them: no limit on a line's length (aiohttp's own line reader has one)."""
-    pending = b""
+    pending = bytearray()   # the text since the last newline (grows in place: no quadratic copies)
     async for piece in stream.iter_any():
-        lines = (pending + piece).split(b"\n")
-        pending = lines.pop()
+        pending += piece
+        if b"\n" not in piece:
+            continue
+        *lines, rest = pending.split(b"\n")
+        pending = bytearray(rest)
         for line in lines:
             if line.startswith(b"data:"):
-                yield line[5:].strip()
+                yield bytes(line[5:].strip())
     if pending.startswith(b"data:"):
-        yield pending[5:].strip()
+        yield bytes(pending[5:].strip())
 
 
 async def run_rate(client: Any, settings: LoadSettings, model: str, plan: RatePlan,
