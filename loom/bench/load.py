@@ -5,7 +5,7 @@ or ``POST /v1/completions`` with ``stream_options.include_usage``), so any such 
 measured: loom's own, llama.cpp's ``llama-server``, vLLM. The load generator shares the machine
 with the server under test, so it is kept light: the streams are read with aiohttp, which used
 0.18 s of CPU for a 32-request load of 2,048 chunks where httpx's client used 0.56-0.68 s (a
-seventh of one of two cores, taken from the server; httpx still makes the few set-up calls).
+seventh of one of two cores, taken from the server).
 
 Endpoint (``--endpoint``, as vLLM's ``benchmark_serving``): ``chat`` sends each prompt as one user
 message, ``completions`` sends it as the plain prompt text (a base model without a chat template,
@@ -59,6 +59,7 @@ MIN_TRACKING = 0.9
 LATENCY_BLOWUP = 3.0
 PERCENTILES = (50, 99)
 REQUEST_TIMEOUT_S = 600.0
+SETUP_TIMEOUT_S = 30.0           # the set-up calls' (the model list, /tokenizer_info)
 MAX_ERROR_SAMPLES = 5
 # endpoint -> path under /v1; "auto" is resolved to one of them before the load starts
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
@@ -411,12 +412,13 @@ def saturation(levels: list[dict[str, Any]]) -> dict[str, Any]:
             "min_tracking": MIN_TRACKING, "latency_blowup": LATENCY_BLOWUP}
 
 
-def _served_model(client: Any, settings: LoadSettings) -> str:
-    """`settings.model` when the server lists it, else the first model of ``GET /v1/models``."""
+async def _served_model(client: Any, settings: LoadSettings, timeout: Any) -> str:
+    """`settings.model` when the server lists it, else the first model of ``GET /v1/models``
+    (`client`: an aiohttp session, `timeout`: the call's)."""
     try:
-        response = client.get(f"{settings.api_base}/models")
-        response.raise_for_status()
-        ids = [m["id"] for m in response.json().get("data", [])]
+        async with client.get(f"{settings.api_base}/models", timeout=timeout) as response:
+            response.raise_for_status()
+            ids = [m["id"] for m in (await response.json(content_type=None)).get("data", [])]
     except Exception as e:  # noqa: BLE001 - any failure here means the URL is not a usable server
         raise BenchError(f"cannot list models at {settings.api_base}/models: {e}") from None
     if not ids:
@@ -424,13 +426,13 @@ def _served_model(client: Any, settings: LoadSettings) -> str:
     return settings.model if settings.model in ids else ids[0]
 
 
-def _server_endpoint(client: Any, settings: LoadSettings) -> tuple[str, str]:
+async def _server_endpoint(client: Any, settings: LoadSettings, timeout: Any) -> tuple[str, str]:
     """``auto`` at a server: (endpoint, why) from its ``GET /tokenizer_info`` (loom's, vLLM's with
     ``--enable-tokenizer-info-endpoint``); chat when the server does not tell."""
     root = settings.api_base.removesuffix("/v1")
     try:
-        response = client.get(f"{root}/tokenizer_info")
-        info = response.json() if response.status_code == 200 else None
+        async with client.get(f"{root}/tokenizer_info", timeout=timeout) as response:
+            info = await response.json(content_type=None) if response.status == 200 else None
     except Exception:  # noqa: BLE001 - an unreadable answer tells nothing: fall back to chat
         info = None
     if not isinstance(info, dict) or "chat_template" not in info:
@@ -467,37 +469,38 @@ def run_load(settings: LoadSettings, progress: Any = None, cpu: Callable[[], flo
     seconds so far (all its processes): each level then reports the server's CPU use."""
     try:
         import aiohttp
-        import httpx
-    except ImportError as e:
-        raise BenchError(f"--server needs {e.name} (pip install {e.name})") from None
+    except ImportError:
+        raise BenchError("--server needs aiohttp (pip install aiohttp)") from None
 
     warmup_prompt, plans = plan_ladder(settings)
-    with httpx.Client(headers=_headers(settings), timeout=30) as client:
-        model = _served_model(client, settings)
-        endpoint, why = _server_endpoint(client, settings) if settings.endpoint == AUTO else (settings.endpoint, None)
-    asked, settings = settings, dataclasses.replace(settings, endpoint=endpoint)
     task = progress.add_task("load test", total=sum(settings.counts())) if progress is not None else None
 
-    async def ladder() -> list[dict[str, Any]]:
+    async def ladder() -> tuple[str, str, str | None, list[dict[str, Any]]]:
+        """(the served model, the endpoint, why that endpoint, the levels)"""
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, connect=30)
         levels = []
         async with aiohttp.ClientSession(headers=_headers(settings), timeout=timeout,
                                          connector=aiohttp.TCPConnector(limit=0)) as client:
+            setup = aiohttp.ClientTimeout(total=SETUP_TIMEOUT_S)
+            model = await _served_model(client, settings, setup)
+            endpoint, why = (await _server_endpoint(client, settings, setup)
+                             if settings.endpoint == AUTO else (settings.endpoint, None))
+            run = dataclasses.replace(settings, endpoint=endpoint)
             warmup = RequestRecord(sent=0.0)
-            await _send(client, settings, _payload(settings, model, warmup_prompt), warmup, time.perf_counter)
+            await _send(client, run, _payload(run, model, warmup_prompt), warmup, time.perf_counter)
             if not warmup.ok:
-                raise _warmup_error(settings, warmup)
+                raise _warmup_error(run, warmup)
             for plan in plans:
                 if task is not None:
                     progress.update(task, description=f"rate {rate_label(plan.rate)} req/s, "
                                                       f"{len(plan.prompts)} requests")
                 c0, t0 = cpu() if cpu else None, time.perf_counter()
-                records = await run_rate(client, settings, model, plan,
+                records = await run_rate(client, run, model, plan,
                                          (lambda: progress.advance(task)) if task is not None else (lambda: None))
                 used = cpu() - c0 if cpu else None
                 levels.append(with_cpu(summarize(plan.rate, records), used, time.perf_counter() - t0))
-        return levels
+        return model, endpoint, why, levels
 
     started = time.time()
-    levels = asyncio.run(ladder())
-    return load_report(asked, settings.api_base, model, endpoint, why, levels, started)
+    model, endpoint, why, levels = asyncio.run(ladder())
+    return load_report(settings, settings.api_base, model, endpoint, why, levels, started)
