@@ -11,8 +11,8 @@ path: its two rows of those shapes time the same code; Q5_0's takes the integer 
 (benchmarks/vnni_peak.cpp) to see how far the kernel is from the instruction's limit.
 
 With --before CHECKOUT, that checkout's kernels (built or loaded under their own name, as
-benchmarks/attn_batch.py does) and this tree's run in the same process on the same weights, their
-outputs checked to be bitwise equal, in alternating turns (the first of a turn alternating): the
+benchmarks/attn_batch.py does) and this tree's run in the same process on the same weights (the
+affine form of each shape), their outputs checked to be bitwise equal, in alternating turns (the first of a turn alternating): the
 ratio before / after is the number a VM whose speed swings from minute to minute keeps (separate
 runs of the table above differ by up to 2x there). Times are of the thread's CPU with one thread.
 """
@@ -49,6 +49,8 @@ def compare(before_checkout: str, variant: str, rows: list[int], threads: int, r
     sys.path.insert(0, str(Path(__file__).parent))
     from attn_batch import kernels_of
 
+    if variant is None:
+        raise SystemExit(f"loom kernels unavailable: {kernels.unavailable_reason()}")
     if variant not in kernels.supported_variants():
         raise SystemExit(f"variant {variant} does not run on this CPU ({', '.join(kernels.supported_variants())} do)")
     impls = {"before": kernels_of(before_checkout).build(variant), "after": kernels.build(variant)}
