@@ -17,6 +17,9 @@ import openai
 import pytest
 from loom_server import LoomServer, metric, scrape, wait_for
 
+from loom.server.protocol import ChatCompletionChunk, CompletionStreamResponse
+from loom.server.sse import PlainChunks, event
+
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 PROMPT = "The capital of France is"
@@ -73,6 +76,44 @@ def test_chat_and_stream_agree(real: LoomServer) -> None:
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
     assert usage_chunk.usage.completion_tokens == done.usage.completion_tokens
     assert usage_chunk.usage.prompt_tokens == done.usage.prompt_tokens
+
+
+def _model_event(line: str) -> str:
+    """A streamed chunk's event as the endpoint's chunk model writes it (the generic path)."""
+    data = json.loads(line.removeprefix("data: "))
+    if data["object"] == "chat.completion.chunk":
+        data = ChatCompletionChunk.model_validate(data).model_dump()
+        for choice in data["choices"]:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    else:
+        data = CompletionStreamResponse.model_validate(data).model_dump()
+    data.pop("usage")
+    return event(data)
+
+
+@pytest.mark.parametrize("text", [" Paris", "", 'q"uo\\te\n\t', "é中😀\u2028", "\x00\x1f"])
+def test_plain_chunks_are_the_models_events(text: str) -> None:
+    fixed = {"created": 7, "model": "smollm2-135m/ü"}
+    chat = PlainChunks({"id": "chatcmpl-1", "object": "chat.completion.chunk", **fixed}, "delta").event(2, text)
+    assert chat == _model_event(chat.removesuffix("\n\n"))
+    assert json.loads(chat.removeprefix("data: "))["choices"] == [
+        {"index": 2, "delta": {"content": text}, "logprobs": None, "finish_reason": None, "stop_reason": None}]
+    plain = PlainChunks({"id": "cmpl-1", "object": "text_completion", **fixed}, "text").event(0, text)
+    assert plain == _model_event(plain.removesuffix("\n\n"))
+    assert json.loads(plain.removeprefix("data: "))["choices"][0]["text"] == text
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": PROMPT}),
+                                       ("/v1/chat/completions", {"messages": QUESTION})])
+def test_streamed_events_are_the_models_events(real: LoomServer, path: str, body: dict) -> None:
+    """Every event of a plain stream (text only: the template path) has the characters the
+    chunk models give it, the first (role) and last (finish) chunks included."""
+    with httpx.stream("POST", f"{real.url}{path}", timeout=60,
+                      json={"model": "smollm2-135m", "max_tokens": 8, "temperature": 0, "stream": True, **body}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 4
+    for line in lines[:-1]:
+        assert line + "\n\n" == _model_event(line)
 
 
 def test_stop_string_cuts_the_text(real: LoomServer, greedy_completion) -> None:

@@ -86,7 +86,7 @@ from loom.server.protocol import (
     UsageInfo,
     VersionResponse,
 )
-from loom.server.sse import DONE, EventStreamResponse, event
+from loom.server.sse import DONE, EventStreamResponse, PlainChunks, event
 from loom.server.tools import (AutoStream, CallStream, ToolPlan, history_message, template_reads_tools,
                                tool_dicts, with_tool_prompt)
 
@@ -445,13 +445,18 @@ class OpenAIServing:
     async def _stream(self, group: ChoiceGroup, n: int, include_usage: str | None,
                       dump: Callable[[list, UsageInfo | None], dict[str, Any]],
                       choice_of: Callable[[int, RequestOutput], Any],
-                      opening: Sequence[list] = (), predicted: bool = False) -> AsyncIterator[str]:
+                      opening: Sequence[list] = (), predicted: bool = False,
+                      plain: PlainChunks | None = None) -> AsyncIterator[str]:
         """The one SSE loop of both endpoints: `opening` chunks first, then per output of the
         group the chunk choice `choice_of(index, output)` builds (None: nothing to send yet),
         the usage chunk when asked (`include_usage` from `_usage_mode`; "continuous": every
         choice chunk also carries that choice's usage so far), and [DONE]; `dump(choices, usage)`
-        is the endpoint's chunk as a dict. An error after the status line is sent goes in-band."""
+        is the endpoint's chunk as a dict. An error after the status line is sent goes in-band.
+        `plain`: where the request asks for nothing but text (see PlainChunks), the event of an
+        output that only adds text, written directly; every other output takes choice_of."""
         finals: list[RequestOutput | None] = [None] * group.size
+        if include_usage:
+            plain = None
 
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
             data = dump(choices, usage)
@@ -463,6 +468,9 @@ class OpenAIServing:
             for choices in opening:
                 yield chunk(choices)
             async for index, out in group:
+                if plain is not None and not out.finished and out.outputs[0].delta_text:
+                    yield plain.event(index, out.outputs[0].delta_text)
+                    continue
                 if out.finished:
                     finals[index] = out
                 choice = choice_of(index, out)
@@ -514,7 +522,12 @@ class OpenAIServing:
                                     finish_reason=c.finish_reason if out.finished else None,
                                     stop_reason=c.stop_reason if out.finished else None)
 
-        return self._stream(group, body.n, include_usage, dump, choice_of, predicted=body.prediction is not None)
+        plain = None
+        if body.logprobs is None and body.prompt_logprobs is None and not echoes and not score_only:
+            plain = PlainChunks({"id": rid, "object": "text_completion", "created": created, "model": self.model},
+                                "text")
+        return self._stream(group, body.n, include_usage, dump, choice_of, predicted=body.prediction is not None,
+                            plain=plain)
 
     # -- chat completions ----------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
@@ -616,7 +629,12 @@ class OpenAIServing:
 
         roles = [[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                  for i in range(group.size)]
-        return self._stream(group, body.n, include_usage, dump, choice_of, roles, body.prediction is not None)
+        plain = None
+        if calls is None and autos is None and top_k is None:
+            plain = PlainChunks({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                 "model": self.model}, "delta")
+        return self._stream(group, body.n, include_usage, dump, choice_of, roles, body.prediction is not None,
+                            plain=plain)
 
     @staticmethod
     def _stream_error(e: Exception) -> str:

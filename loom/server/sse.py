@@ -19,6 +19,28 @@ def event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class PlainChunks:
+    """The events of a stream's outputs that only add text, written from a template: the chunk's
+    fixed part (id, object, created, model) rendered once, the choice's index and text per event.
+    The same characters as `event` of the endpoint's chunk model (checked in the tests), without
+    building, validating and dumping the model for every token (~30 us of the front end's ~200 us
+    per streamed token, SmolLM2 at 8 streams). `field`: "text" (completions) or "delta" (chat:
+    {"content": text})."""
+
+    __slots__ = ("_head", "_delta")
+
+    def __init__(self, fixed: dict[str, Any], field: str):
+        self._head = "data: " + json.dumps(fixed, ensure_ascii=False, separators=(",", ":"))[:-1] + ',"choices":[{"index":'
+        self._delta = field == "delta"
+
+    def event(self, index: int, text: str) -> str:
+        t = json.dumps(text, ensure_ascii=False)
+        if self._delta:
+            t = '{"content":' + t + "}"
+            return f'{self._head}{index},"delta":{t},"logprobs":null,"finish_reason":null,"stop_reason":null}}]}}\n\n'
+        return f'{self._head}{index},"text":{t},"logprobs":null,"finish_reason":null,"stop_reason":null}}]}}\n\n'
+
+
 class EventStreamResponse(StreamingResponse):
     """A text/event-stream response that runs `on_close` however the stream ends: completed,
     failed, or cut short by the client disconnecting (when the stream's own cleanup might not
