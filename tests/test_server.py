@@ -78,7 +78,7 @@ def test_chat_and_stream_agree(real: LoomServer) -> None:
     assert usage_chunk.usage.prompt_tokens == done.usage.prompt_tokens
 
 
-def _model_event(line: str) -> str:
+def _model_event(line: str, usage: bool = False) -> str:
     """A streamed chunk's event as the endpoint's chunk model writes it (the generic path)."""
     data = json.loads(line.removeprefix("data: "))
     if data["object"] == "chat.completion.chunk":
@@ -87,33 +87,41 @@ def _model_event(line: str) -> str:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     else:
         data = CompletionStreamResponse.model_validate(data).model_dump()
-    data.pop("usage")
+    if not usage:
+        data.pop("usage")
     return event(data)
 
 
+@pytest.mark.parametrize("usage", [False, True])
 @pytest.mark.parametrize("text", [" Paris", "", 'q"uo\\te\n\t', "é中😀\u2028", "\x00\x1f"])
-def test_plain_chunks_are_the_models_events(text: str) -> None:
+def test_plain_chunks_are_the_models_events(text: str, usage: bool) -> None:
     fixed = {"created": 7, "model": "smollm2-135m/ü"}
-    chat = PlainChunks({"id": "chatcmpl-1", "object": "chat.completion.chunk", **fixed}, "delta").event(2, text)
-    assert chat == _model_event(chat.removesuffix("\n\n"))
-    assert json.loads(chat.removeprefix("data: "))["choices"] == [
+    chat = PlainChunks({"id": "chatcmpl-1", "object": "chat.completion.chunk", **fixed}, "delta", usage).event(2, text)
+    assert chat == _model_event(chat.removesuffix("\n\n"), usage)
+    data = json.loads(chat.removeprefix("data: "))
+    assert data["choices"] == [
         {"index": 2, "delta": {"content": text}, "logprobs": None, "finish_reason": None, "stop_reason": None}]
-    plain = PlainChunks({"id": "cmpl-1", "object": "text_completion", **fixed}, "text").event(0, text)
-    assert plain == _model_event(plain.removesuffix("\n\n"))
+    assert ("usage" in data) == usage and data.get("usage") is None
+    plain = PlainChunks({"id": "cmpl-1", "object": "text_completion", **fixed}, "text", usage).event(0, text)
+    assert plain == _model_event(plain.removesuffix("\n\n"), usage)
     assert json.loads(plain.removeprefix("data: "))["choices"][0]["text"] == text
 
 
+@pytest.mark.parametrize("usage", [False, True])
 @pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": PROMPT}),
                                        ("/v1/chat/completions", {"messages": QUESTION})])
-def test_streamed_events_are_the_models_events(real: LoomServer, path: str, body: dict) -> None:
+def test_streamed_events_are_the_models_events(real: LoomServer, path: str, body: dict, usage: bool) -> None:
     """Every event of a plain stream (text only: the template path) has the characters the
-    chunk models give it, the first (role) and last (finish) chunks included."""
+    chunk models give it, the first (role) and last (finish, usage) chunks included."""
+    if usage:
+        body = {**body, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{real.url}{path}", timeout=60,
                       json={"model": "smollm2-135m", "max_tokens": 8, "temperature": 0, "stream": True, **body}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 4
     for line in lines[:-1]:
-        assert line + "\n\n" == _model_event(line)
+        assert line + "\n\n" == _model_event(line, usage)
+    assert ('"usage":{' in lines[-2]) == usage
 
 
 def test_stop_string_cuts_the_text(real: LoomServer, greedy_completion) -> None:

@@ -455,7 +455,7 @@ class OpenAIServing:
         `plain`: where the request asks for nothing but text (see PlainChunks), the event of an
         output that only adds text, written directly; every other output takes choice_of."""
         finals: list[RequestOutput | None] = [None] * group.size
-        if include_usage:
+        if include_usage == CONTINUOUS_USAGE:   # each chunk carries its choice's usage
             plain = None
 
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
@@ -525,7 +525,7 @@ class OpenAIServing:
         plain = None
         if body.logprobs is None and body.prompt_logprobs is None and not echoes and not score_only:
             plain = PlainChunks({"id": rid, "object": "text_completion", "created": created, "model": self.model},
-                                "text")
+                                "text", usage_null=include_usage == FINAL_USAGE)
         return self._stream(group, body.n, include_usage, dump, choice_of, predicted=body.prediction is not None,
                             plain=plain)
 
@@ -632,7 +632,7 @@ class OpenAIServing:
         plain = None
         if calls is None and autos is None and top_k is None:
             plain = PlainChunks({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                 "model": self.model}, "delta")
+                                 "model": self.model}, "delta", usage_null=include_usage == FINAL_USAGE)
         return self._stream(group, body.n, include_usage, dump, choice_of, roles, body.prediction is not None,
                             plain=plain)
 
