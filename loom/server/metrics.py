@@ -117,6 +117,21 @@ def _spec_metrics(st: SpecStats, labels: list[str], counter) -> Iterator[Metric]
     yield per_pos
 
 
+class _Renamed(Collector):
+    """Another metric's series under another name, read at each scrape: vLLM exports its
+    inter-token latencies twice (the older name kept), observed here once per token."""
+
+    def __init__(self, source: Histogram, name: str, documentation: str):
+        self.source, self.name, self.documentation = source, name, documentation
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            old = family.name
+            renamed = Metric(self.name, self.documentation, family.type, family.unit)
+            renamed.samples = [s._replace(name=self.name + s.name[len(old):]) for s in family.samples]
+            yield renamed
+
+
 class ServerMetrics:
     """The registry of one app, and the request-level series the API layer feeds."""
 
@@ -129,9 +144,8 @@ class ServerMetrics:
                               labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
                              labels, buckets=ITL_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Older name of vllm:inter_token_latency_seconds.", labels, buckets=ITL_BUCKETS,
-                              registry=self.registry)
+        self.registry.register(_Renamed(self.itl, "vllm:time_per_output_token_seconds",
+                                        "Older name of vllm:inter_token_latency_seconds."))
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last output.",
                              labels, buckets=E2E_BUCKETS, registry=self.registry)
         self.success = Counter("vllm:request_success", "Requests finished, by reason.",
@@ -141,8 +155,7 @@ class ServerMetrics:
             self.success.labels(reason, model_name)
         # the series of this model, looked up once (labels() takes a lock and a dict lookup:
         # ~3 us, twice per streamed token)
-        self.ttft_of, self.itl_of, self.tpot_of, self.e2e_of = (
-            h.labels(model_name) for h in (self.ttft, self.itl, self.tpot, self.e2e))
+        self.ttft_of, self.itl_of, self.e2e_of = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -180,7 +193,6 @@ class RequestTracker:
                 gap = max(0.0, now - self.last_seen) / new
                 for _ in range(new):
                     self.m.itl_of.observe(gap)
-                    self.m.tpot_of.observe(gap)
             self.last_seen = now
             self.num_tokens = len(completion.token_ids)
         if out.finished and times is not None:
