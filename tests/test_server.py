@@ -17,6 +17,7 @@ import openai
 import pytest
 from loom_server import LoomServer, metric, scrape, wait_for
 
+from loom.server.openai_api import chat_chunk_dict
 from loom.server.protocol import ChatCompletionChunk, CompletionStreamResponse
 from loom.server.sse import PlainChunks, event
 
@@ -82,9 +83,7 @@ def _model_event(line: str, usage: bool = False) -> str:
     """A streamed chunk's event as the endpoint's chunk model writes it (the generic path)."""
     data = json.loads(line.removeprefix("data: "))
     if data["object"] == "chat.completion.chunk":
-        data = ChatCompletionChunk.model_validate(data).model_dump()
-        for choice in data["choices"]:
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        data = chat_chunk_dict(ChatCompletionChunk.model_validate(data))
     else:
         data = CompletionStreamResponse.model_validate(data).model_dump()
     if not usage:

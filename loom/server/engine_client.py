@@ -199,10 +199,9 @@ class ProcessEngineClient:
             raise EngineDeadError("the server is shutting down")
 
     def _wait_ready(self) -> wire.Ready:
-        raw = self._output
         while True:
-            if raw.poll(STARTUP_POLL_MS):
-                msg = self._decoder.decode(raw.recv())
+            if self._output.poll(STARTUP_POLL_MS):
+                msg = self._decoder.decode(self._output.recv())
                 if isinstance(msg, wire.Ready):
                     return msg
                 self._close_sockets()

@@ -143,6 +143,19 @@ def _usage_mode(options: StreamOptions | None) -> str | None:
     return CONTINUOUS_USAGE if options.continuous_usage_stats else FINAL_USAGE
 
 
+def chat_chunk_dict(chunk: ChatCompletionChunk) -> dict[str, Any]:
+    """A chat chunk as its event's JSON object: a delta's fields that are not sent are absent (as
+    OpenAI's), in the delta and in each of its tool calls."""
+    data = chunk.model_dump()
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        for call in choice["delta"].get("tool_calls", ()):
+            for k in [k for k, v in call.items() if v is None]:
+                del call[k]
+            call["function"] = {k: v for k, v in call["function"].items() if v is not None}
+    return data
+
+
 def _choice_usage(out: RequestOutput) -> UsageInfo:
     """One choice's usage so far: its prompt and the tokens it has generated."""
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
@@ -592,15 +605,8 @@ class OpenAIServing:
         tokens_sent = [0] * group.size
 
         def dump(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> dict[str, Any]:
-            data = ChatCompletionChunk(id=rid, created=created, model=self.model, choices=choices,
-                                       usage=usage).model_dump()
-            for choice in data["choices"]:
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-                for call in choice["delta"].get("tool_calls", ()):   # as OpenAI: fields not sent are absent
-                    for k in [k for k, v in call.items() if v is None]:
-                        del call[k]
-                    call["function"] = {k: v for k, v in call["function"].items() if v is not None}
-            return data
+            return chat_chunk_dict(ChatCompletionChunk(id=rid, created=created, model=self.model, choices=choices,
+                                                       usage=usage))
 
         calls = [CallStream() for _ in range(group.size)] if tools.streams_calls else None
         autos = [AutoStream(tools) for _ in range(group.size)] if tools.active and calls is None else None
