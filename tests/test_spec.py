@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import random
+import sys
 
 import pytest
 import torch
@@ -617,6 +618,36 @@ def test_adaptive_controller_calibrates_and_stays_exact(tiny_parts):
     want = [o.token_ids for o in run(tiny_engine(tiny_parts), REPEATING, params)]
     engine = tiny_engine(tiny_parts, {"method": "auto"}, max_num_seqs=4)
     assert engine.runner.spec.controller.cost.rows        # calibrated at start-up
+    assert [o.token_ids for o in run(engine, REPEATING, params)] == want
+
+
+def _inner_pages(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of `t` on the memory pages wholly inside it."""
+    import mmap
+
+    start = t.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE - start
+    last = (start + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE - start
+    return t.view(-1).view(torch.uint8)[first:max(first, last)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are handed back with Linux's madvise")
+def test_calibration_leaves_the_kv_cache_as_never_written(tiny_parts, monkeypatch):
+    """The calibration's passes write draft entries into free blocks and read blocks nothing
+    wrote; the engine hands those pages back (KVCacheTensors.release): they read as zeros, as
+    a cache no request has used."""
+    monkeypatch.setenv("LOOM_COST_CACHE", "0")   # timed now, not read from a cache
+    engine = tiny_engine(tiny_parts, {"method": "auto"}, max_num_seqs=4)
+    inner = [_inner_pages(t) for kv in engine.runner.kv.layers for t in kv]
+    assert sum(p.numel() for p in inner) > 0
+    assert all(not p.any() for p in inner)
+    for k, v in engine.runner.kv.layers:     # written, then handed back
+        k.fill_(1.0)
+        v.fill_(1.0)
+    engine.runner.kv.release()
+    assert all(not p.any() for kv in engine.runner.kv.layers for p in map(_inner_pages, kv))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in run(tiny_engine(tiny_parts), REPEATING, params)]
     assert [o.token_ids for o in run(engine, REPEATING, params)] == want
 
 

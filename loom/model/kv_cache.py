@@ -15,6 +15,11 @@ is: prefix-cache sharing, copy-on-write forks and rollbacks never requantize.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+import sys
+
 import torch
 
 from loom.model.kv_dtypes import KVFormat, format_of, kv_format
@@ -36,6 +41,26 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
     else:
         bs = cache.shape[2]
         cache[slots // bs, :, slots % bs] = rows
+
+
+_MADV_DONTNEED = 4   # Linux
+_libc = None
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages inside `t`'s memory (Linux; elsewhere, or if
+    the call fails, nothing: the pages stay as they are)."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE     # pages wholly inside the tensor only:
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE            # the heap's neighbours keep theirs
+    if last > first:
+        _libc.madvise(first, last - first, _MADV_DONTNEED)
 
 
 def kv_keys(layers: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, head_dim: int):
@@ -61,6 +86,22 @@ class KVCacheTensors:
         st = self.format.storage
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.empty(shape, dtype=st), torch.empty(shape, dtype=st)) for _ in range(cfg.num_layers)]
+
+    def release(self) -> None:
+        """Hands the cache's pages back to the kernel: every entry reads as zero afterwards, and
+        a page is allocated again where a request first writes it, as in a cache never used.
+
+        For the speculative cost model's calibration (Engine), whose timed passes attend over
+        blocks that nothing wrote: a read of an untouched page maps the kernel's shared zero
+        page, and the first write to such a page later copies it and sends the other cores a
+        TLB flush (on a VM, interrupts that exit to the host). Left that way, a SmolLM2 engine
+        whose cost model had just been timed ran its 8-stream decode steps 1.12x as long as
+        one that read its costs from the cache, until requests had written every block the
+        passes had read (Spec-Bench's 8-stream `auto` column 0.89x of plain decoding where it
+        is 1.00x; docs/benchmarks.md, "A freshly calibrated engine's KV pages")."""
+        for k, v in self.layers:
+            _release_pages(k)
+            _release_pages(v)
 
     @staticmethod
     def bytes_per_token(cfg, dtype: torch.dtype | KVFormat | str = torch.float32) -> int:
