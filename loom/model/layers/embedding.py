@@ -49,9 +49,9 @@ class QuantEmbedding:
     def __init__(self, path: str | os.PathLike, offset: int, qtype: QT, shape: tuple[int, int]):
         v, d = shape
         block, block_bytes = GGML_QUANT_SIZES[qtype]
-        # copy-on-write map: a writable array for torch, though nothing ever writes it
-        table = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(v, d // block * block_bytes))
-        self.table = table                                                   # [V, row bytes]
+        # read-only map: a lookup copies the rows it gathers
+        self.table = np.memmap(path, dtype=np.uint8, mode="r", offset=offset,
+                               shape=(v, d // block * block_bytes))         # [V, row bytes]
         self.qtype, self.shape = qtype, (v, d)
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
