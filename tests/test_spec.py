@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 
 import random
-import sys
 
 import pytest
 import torch
@@ -631,7 +630,6 @@ def _inner_pages(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)[first:max(first, last)]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are handed back with Linux's madvise")
 def test_calibration_leaves_the_kv_cache_as_never_written(tiny_parts, monkeypatch):
     """The calibration's passes write draft entries into free blocks and read blocks nothing
     wrote; the engine hands those pages back (KVCacheTensors.release): they read as zeros, as

@@ -16,9 +16,7 @@ is: prefix-cache sharing, copy-on-write forks and rollbacks never requantize.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
-import sys
 
 import torch
 
@@ -43,18 +41,16 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
         cache[slots // bs, :, slots % bs] = rows
 
 
-_MADV_DONTNEED = 4   # Linux
+_MADV_DONTNEED = 4
 _libc = None
 
 
 def _release_pages(t: torch.Tensor) -> None:
-    """madvise(MADV_DONTNEED) over the whole pages inside `t`'s memory (Linux; elsewhere, or if
-    the call fails, nothing: the pages stay as they are)."""
+    """madvise(MADV_DONTNEED) over the whole pages inside `t`'s memory (if the call fails, the
+    pages stay as they are)."""
     global _libc
-    if not sys.platform.startswith("linux"):
-        return
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc = ctypes.CDLL(None, use_errno=True)    # the process's own symbols: the C library's
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE     # pages wholly inside the tensor only:
