@@ -620,6 +620,22 @@ def test_adaptive_controller_calibrates_and_stays_exact(tiny_parts):
     assert [o.token_ids for o in run(engine, REPEATING, params)] == want
 
 
+def test_the_kv_cache_is_handed_back_only_after_timed_passes(tiny_parts, monkeypatch):
+    """A start whose costs come from the cache leaves its KV pages alone: handing back pages that
+    a freed cache had already backed would cost a page fault at each first write."""
+    from loom.model.kv_cache import KVCacheTensors
+
+    released = []
+    monkeypatch.setattr(KVCacheTensors, "release", lambda self: released.append(self))
+    tiny_engine(tiny_parts, {"method": "auto"}, max_num_seqs=4)    # times the grid unless cached already
+    released.clear()
+    tiny_engine(tiny_parts, {"method": "auto"}, max_num_seqs=4)    # reads it from the cache
+    assert released == []
+    monkeypatch.setenv("LOOM_COST_CACHE", "0")
+    engine = tiny_engine(tiny_parts, {"method": "auto"}, max_num_seqs=4)
+    assert released == [engine.runner.kv]
+
+
 def _inner_pages(t: torch.Tensor) -> torch.Tensor:
     """The bytes of `t` on the memory pages wholly inside it."""
     import mmap

@@ -101,8 +101,8 @@ class Engine:
         self.runner = ModelRunner(self.model, num_blocks, bs, self.tokenizer.stop_token_ids, kv_dtype=self.kv_dtype,
                                   seed=config.seed, spec=self.spec, structured=self.structured)
         if self.spec is not None and config.speculative.adaptive:
-            self.spec.calibrate(self.runner.timed_forward, config.scheduler.max_num_seqs, self._cost_identity())
-            self.runner.kv.release()   # the timed passes read blocks nothing wrote (KVCacheTensors.release)
+            if self.spec.calibrate(self.runner.timed_forward, config.scheduler.max_num_seqs, self._cost_identity()):
+                self.runner.kv.release()   # the timed passes read blocks nothing wrote (KVCacheTensors.release)
         self.outputs: dict[str, OutputState] = {}
         self.groups = RequestGroups(self)  # n > 1 / best_of requests: children sharing KV (engine/groups.py)
         self._ids = itertools.count()

@@ -113,20 +113,29 @@ class SpecDecoder:
         self.controller.cost.observe(len(out.seqs), extra, seconds)
 
     def calibrate(self, time_forward: Callable[[list[ScheduledSeq]], float], max_num_seqs: int,
-                  identity: dict | None = None) -> None:
+                  identity: dict | None = None) -> bool:
         """Feeds the cost model the times of forward passes (`time_forward(seqs)` -> seconds) at a
         grid of (sequences, draft nodes) and context lengths (loom.speculative.calibration),
         cached under `identity` (what names the model and its set-up; None: not cached). Run
-        before any request holds KV blocks (the passes write into free blocks)."""
+        before any request holds KV blocks (the passes write into free blocks). Returns whether
+        any pass ran (False: every time came from the cache)."""
         cfg, env = self.env.target.cfg, self.env
         grid = Grid.fitting(cfg.context_length, max_num_seqs, self.config.num_speculative_tokens,
                             env.num_blocks, env.block_size)
+        passes = 0
+
+        def timed(seqs: list[ScheduledSeq]) -> float:
+            nonlocal passes
+            passes += 1
+            return time_forward(seqs)
+
         if identity is None:
-            times = measure(time_forward, grid, cfg.vocab_size, env.block_size) if grid.points() else {}
+            times = measure(timed, grid, cfg.vocab_size, env.block_size) if grid.points() else {}
         else:
-            times = calibrated(time_forward, grid, identity, cfg.vocab_size, env.block_size)
+            times = calibrated(timed, grid, identity, cfg.vocab_size, env.block_size)
         for (ctx, b, x), seconds in times.items():
             self.controller.cost.calibrate(b, x, seconds, ctx)
+        return passes > 0
 
     # -- one step -------------------------------------------------------------------------
     def reads_logits(self, seqs: list[ScheduledSeq], batch: int) -> bool:
