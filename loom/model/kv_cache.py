@@ -94,10 +94,10 @@ class KVCacheTensors:
         whose cost model had just been timed ran its 8-stream decode steps 1.12x as long as
         one that read its costs from the cache, until requests had written every block the
         passes had read (Spec-Bench's 8-stream `auto` column 0.89x of plain decoding where it
-        is 1.00x; docs/benchmarks.md, "A freshly calibrated engine's KV pages"). Only after
-        passes ran: pages a freed cache had backed cost nothing to write again, and handed back
-        they cost a fault each (an engine whose costs came from the cache ran 8-stream steps
-        ~1% slower for it)."""
+        is 1.00x; docs/benchmarks.md, "A freshly calibrated engine's KV pages"). The engine
+        calls it only where passes ran: pages that a freed cache had backed cost nothing to
+        write again, and handed back they cost a fault each (an engine whose costs came from the
+        cache ran its 8-stream steps ~1% slower for it)."""
         for k, v in self.layers:
             _release_pages(k)
             _release_pages(v)
