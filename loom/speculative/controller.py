@@ -316,14 +316,15 @@ class SpecController:
         """Whether drafting from `sources` (None: no draft) would pay for these sequences of a
         batch whose plans skip their search: a source the skip did not see (a sequence whose
         tail has just matched its context) wakes the plans."""
-        if all(src is None for src in sources):
+        if not any(sources):
             return False
         # asked on most steps of a batch that skips its search, with the same answer until a
         # verdict changes a rate (record() forgets the answers) or the costs move: memoised (the
         # costs' memo is refreshed every MEMO_REFRESH steps; an answer outlives PAYS_REFRESH of
-        # those, and the measured overheads, which move every step, are read to 10 us)
-        key = (tuple(req_ids), tuple(sources), batch, context // CONTEXT_BUCKET, round(draft_cost, 5),
-               round(seq_overhead, 5), self.cost.stamp // PAYS_REFRESH)
+        # those, and the measured overheads, which move every step, are read in steps of 10 us:
+        # truncated, as round(x, 5) formats the float, 3x the key's time in the step)
+        key = (tuple(req_ids), tuple(sources), batch, context // CONTEXT_BUCKET, int(draft_cost * 1e5),
+               int(seq_overhead * 1e5), self.cost.stamp // PAYS_REFRESH)
         found = self._pays.get(key)
         if found is None:
             if len(self._pays) > PAYS_MEMO:

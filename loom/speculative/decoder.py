@@ -90,13 +90,15 @@ class SpecDecoder:
         self.overheads: dict[str, float] = {}   # measured seconds per drafting sequence, by part
         self._sources: dict[str, str | None] = {}   # request -> the source of its pending draft
         self._tokens: dict[str, list[int]] = {}     # request -> its committed tokens (prompt + output), grown in place
-        self._met: set[str] = set()                 # requests seen
+        self._met: dict[str, int | None] = {}       # requests seen -> the output length they may draft from
+        self._hint_reqs: dict[str, DraftRequest] = {}   # request -> what `hints` is asked with
         self._predicting: set[str] = set()          # those of them that bring a predicted output
 
     def finish(self, req_id: str) -> None:
         self._sources.pop(req_id, None)
         self._tokens.pop(req_id, None)
-        self._met.discard(req_id)
+        self._met.pop(req_id, None)
+        self._hint_reqs.pop(req_id, None)
         self._predicting.discard(req_id)
         self.drafter.finish(req_id)
         self.predicted.finish(req_id)
@@ -165,6 +167,10 @@ class SpecDecoder:
         result = host.sample(logits, [seqs[i].req_id for i in plain], plain_known, at) if plain else RunnerOutput({})
         batch, all_plain = len(out.seqs), len(plain) == len(seqs)
         self._meet(host, seqs)
+        if all_plain and self.controller.idle(batch) and not self._in_batch(self._predicting, seqs):
+            # most steps where drafting does not pay: nothing to verify, learn from or screen
+            result.drafts.update(self._idle(host, seqs, batch, out.num_waiting))
+            return result
         drafts = self._screened(host, seqs, batch, out.num_waiting) if all_plain else None
         if drafts is None:
             topk = self._observed(seqs, all_plain, logits, batch)
@@ -175,10 +181,12 @@ class SpecDecoder:
         return result
 
     def _meet(self, host: SpecHost, seqs: list[ScheduledSeq]) -> None:
-        """Notes the requests new to the decoder, and which of them bring a predicted output."""
+        """Notes the requests new to the decoder: which of them bring a predicted output, and from
+        which output length each may draft (`eligible`: its parameters are fixed; None: never)."""
         for rid in [s.req_id for s in seqs if s.req_id not in self._met]:
-            self._met.add(rid)
-            if host.request(rid).params.prediction_token_ids:
+            params = host.request(rid).params
+            self._met[rid] = params.min_tokens if eligible(params, params.min_tokens) else None
+            if params.prediction_token_ids:
                 self._predicting.add(rid)
                 self.controller.predicted(rid)
 
@@ -315,18 +323,28 @@ class SpecDecoder:
             st.accepted_per_pos[d] += 1
         self.controller.record(req_id, accepted, max(tree.depths), self._sources.pop(req_id, None))
 
-    def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int = 0) -> dict[str, DraftTree]:
+    def _idle(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int) -> dict[str, DraftTree]:
+        """A plain batch whose plans skip their search (the controller's `idle`): only the probes
+        due may draft, one node each, unless a source the drafter names without proposing (a
+        fresh prompt-lookup match of a lone sequence) wakes a full plan. Most steps of a batch
+        where drafting does not pay take this path, after a forward pass that has streamed the
+        weights through the caches: its Python runs cold, ~3 us a call."""
         context = self._context(seqs)
+        if batch <= HINT_MAX_BATCH and self._hinted(host, seqs, batch, context):
+            self.controller.wake(batch)
+            return self._propose(host, seqs, batch, waiting)
+        due = self.controller.idle_step(batch, [s.req_id for s in seqs], context)
+        if not due:
+            return {}
+        cands = self._candidates(host, [s for s in seqs if s.req_id in due])[0]
+        return self._granted(cands, self._proposals(host, cands, [1] * len(cands)))
+
+    def _propose(self, host: SpecHost, seqs: list[ScheduledSeq], batch: int, waiting: int = 0) -> dict[str, DraftTree]:
         if self._in_batch(self._predicting, seqs):   # a predicted output may pay where the others' drafts did not
             self.controller.wake(batch)
-        if batch <= HINT_MAX_BATCH and self.controller.idle(batch) and self._hinted(host, seqs, batch, context):
-            self.controller.wake(batch)
         if self.controller.idle(batch):
-            # the controller skips its search at this batch size: only the probes due may draft,
-            # one node each (this path is most steps of a batch where drafting does not pay)
-            due = set(self.controller.idle_step(batch, [s.req_id for s in seqs], context))
-            cands = self._candidates(host, [s for s in seqs if s.req_id in due])[0] if due else []
-            return self._granted(cands, self._proposals(host, cands, [1] * len(cands)))
+            return self._idle(host, seqs, batch, waiting)
+        context = self._context(seqs)
         cands, caps, lefts = self._candidates(host, seqs)
         if not waiting and len(cands) > 1:
             cands, caps = behind(cands, caps, lefts)
@@ -353,9 +371,19 @@ class SpecDecoder:
         cands = self._candidates(host, seqs)[0]
         if not cands:
             return False
-        reqs = [self._request(host, rid, 1) for rid in cands]
-        return self.controller.pays(cands, self.drafter.hints(reqs), batch, self.drafter.cost_per_token(),
-                                    self.overheads.get("verify", 0.0), context)
+        hints = self.drafter.hints([self._hint_request(host, rid) for rid in cands])
+        return any(hints) and self.controller.pays(cands, hints, batch, self.drafter.cost_per_token(),
+                                                   self.overheads.get("verify", 0.0), context)
+
+    def _hint_request(self, host: SpecHost, rid: str) -> DraftRequest:
+        """`_request(host, rid, 1)`, kept per request while its committed tokens are the same
+        list (grown in place): asked on every idle step of a lone sequence."""
+        st = host.request(rid)
+        toks = self._committed(rid, st)
+        req = self._hint_reqs.get(rid)
+        if req is None or req.token_ids is not toks:
+            req = self._hint_reqs[rid] = self._request(host, rid, 1)
+        return req
 
     def _request(self, host: SpecHost, rid: str, budget: int) -> DraftRequest:
         st = host.request(rid)
@@ -407,9 +435,15 @@ class SpecDecoder:
         """The sequences that may draft, their node caps, and the tokens each may still generate."""
         cands, caps, lefts = [], [], []
         for s in seqs:
+            if s.req_id not in self._met:
+                self._meet(host, [s])
+            start = self._met[s.req_id]
+            if start is None:
+                continue
             st = host.request(s.req_id)
-            left = (st.params.max_tokens or 1 << 30) - len(st.output_token_ids) - 1
-            if eligible(st.params, len(st.output_token_ids)) and left > 0:
+            done = len(st.output_token_ids)
+            left = (st.params.max_tokens or 1 << 30) - done - 1
+            if done >= start and left > 0:
                 cands.append(s.req_id)
                 caps.append(min(self.config.num_speculative_tokens, left))
                 lefts.append(left)

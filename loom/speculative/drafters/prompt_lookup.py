@@ -55,13 +55,35 @@ class NgramIndex:
     def find(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """(up to k tokens that followed the latest earlier match of the longest tail n-gram,
         that n); ([], 0) without a match."""
-        self._extend(tokens)
         N = len(tokens)
+        if N == self.size + 1 > 1 and tokens[N - 2] == self.last:
+            return self._step(tokens, k)
+        self._extend(tokens)
         for n in range(min(self.max_n, N - 1), self.min_n - 1, -1):
             s = self.at[n].get(tuple(tokens[N - n:]))
             if s is not None:
                 return tokens[s + n:s + n + k], n
         return [], 0
+
+    def _step(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """`find` where the list grew by one token since the last look (a lone sequence's every
+        idle step): each n's one new start, then the tail's probe, in one pass. The step runs
+        just after a forward pass has streamed the weights through the caches, so its Python
+        runs cold (~1 us a line touched); this path touches fewer."""
+        N, found = len(tokens), None
+        for n in range(self.max_n, self.min_n - 1, -1):
+            grams = self.at[n]
+            if n < N:       # the n-gram ending before the new token, at its latest start
+                grams[tuple(tokens[N - 1 - n:N - 1])] = N - 1 - n
+                if found is None:
+                    s = grams.get(tuple(tokens[N - n:]))
+                    if s is not None:
+                        found = (s, n)
+        self.size, self.last = N, tokens[-1]
+        if found is None:
+            return [], 0
+        s, n = found
+        return tokens[s + n:s + n + k], n
 
 
 @register("prompt_lookup")
