@@ -362,6 +362,31 @@ def test_a_fresh_prompt_lookup_match_wakes_a_lone_sequence_whose_plans_skip_thei
     assert not ctl.idle(1)
 
 
+def test_a_lone_sequence_asks_for_no_hints_while_no_match_length_could_pay():
+    from types import SimpleNamespace
+
+    from loom.contracts import ScheduledSeq
+
+    dec, ctl = auto_decoder(1, "a")
+    for n in (1, 2, 3, 4):                          # lately, every match length's copies were rejected
+        for _ in range(40):
+            ctl.record("a", 0, 8, f"prompt_lookup:{n}")
+    state = SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], output_token_ids=[],
+                            params=SamplingParams(temperature=0.0, max_tokens=64), matcher=None)
+    host = SimpleNamespace(request=lambda rid: state)
+    seq = [ScheduledSeq("a", [10], 10, [0], True)]
+    asked = []
+    hints = dec.drafter.hints
+    dec.drafter.hints = lambda reqs: asked.append(len(reqs)) or hints(reqs)
+    assert dec._propose(host, seq, 1) == {} and ctl.idle(1)
+    state.output_token_ids = [11, 12, 3, 4, 5, 6]   # a 4-gram match, at a rate that does not pay
+    assert dec._propose(host, seq, 1) == {} and asked == []
+    for _ in range(10):
+        ctl.record("a", 8, 8, "prompt_lookup:4")    # now 4-gram copies are accepted
+    drafts = dec._propose(host, seq, 1)             # the hints are asked for again, and the match wakes the plan
+    assert asked == [1] and drafts["a"].source == "prompt_lookup:4"
+
+
 def test_controller_prices_a_tree_by_the_depth_its_nodes_reach():
     ctl = SpecController(8, depth=lambda k: k)
     ctl.cost.observe(1, 0, 0.010)

@@ -232,6 +232,7 @@ class SpecController:
         self._pays: dict[tuple, bool] = {}                     # memoised pays(), until the next verdict
         self.predicting: set[str] = set()                      # requests drafting from a predicted output
         self.total = _Rate()                                   # every source's, every sequence's
+        self.verdicts = 0                                      # verdicts recorded (rates changed)
         self.totals: dict[str | None, _Rate] = {}              # per source, every sequence's
 
     def depth(self, size: int) -> int:
@@ -260,6 +261,7 @@ class SpecController:
         """A verified tree of depth `max_depth`, drafted from `source`, gave `accepted` nodes."""
         tries = accepted + (1 if accepted < max_depth else 0)
         self._pays.clear()
+        self.verdicts += 1
         probed = self._probing.pop(req_id, None)
         if probed is not None:
             self._probe_misses[probed] = 0 if accepted else self._probe_misses.get(probed, 0) + 1

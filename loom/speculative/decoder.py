@@ -48,7 +48,7 @@ from loom.contracts import (GRAMMAR_DEAD_END, DraftTree, RunnerOutput, Scheduled
 from loom.kernels import topk_indices
 from loom.sample.sampler import argmax_rows
 from loom.speculative.calibration import Grid, calibrated, measure
-from loom.speculative.controller import SpecController
+from loom.speculative.controller import CONTEXT_BUCKET, SpecController
 from loom.speculative.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
 from loom.speculative.verify import verify_greedy, verify_sampled
 
@@ -92,6 +92,7 @@ class SpecDecoder:
         self._tokens: dict[str, list[int]] = {}     # request -> its committed tokens (prompt + output), grown in place
         self._met: dict[str, int | None] = {}       # requests seen -> the output length they may draft from
         self._hint_reqs: dict[str, DraftRequest] = {}   # request -> what `hints` is asked with
+        self._hint_screen: tuple[tuple, bool] = ((), True)  # (what it was asked for, whether a hint may pay)
         self._predicting: set[str] = set()          # those of them that bring a predicted output
 
     def finish(self, req_id: str) -> None:
@@ -371,9 +372,21 @@ class SpecDecoder:
         cands = self._candidates(host, seqs)[0]
         if not cands:
             return False
+        ctl, draft_cost, overhead = self.controller, self.drafter.cost_per_token(), self.overheads.get("verify", 0.0)
+        # Whether any source the hints may name could pay: drafting pays more as a rate grows,
+        # so it is whether each candidate's best-rated one would. Asked again only when a verdict
+        # or the costs have moved; where none could, the hints are not asked for (each look-up
+        # extends the request's n-gram index, which the next proposal then extends in bulk).
+        asked = (tuple(cands), batch, context // CONTEXT_BUCKET, ctl.verdicts, ctl.cost.stamp,
+                 int(draft_cost * 1e5), int(overhead * 1e5))
+        if self._hint_screen[0] != asked and self.drafter.hint_sources:
+            best = [max(self.drafter.hint_sources, key=lambda src, r=rid: ctl.rate(r, src), default=None)
+                    for rid in cands]
+            self._hint_screen = (asked, ctl.pays(cands, best, batch, draft_cost, overhead, context))
+        if not self._hint_screen[1]:
+            return False
         hints = self.drafter.hints([self._hint_request(host, rid) for rid in cands])
-        return any(hints) and self.controller.pays(cands, hints, batch, self.drafter.cost_per_token(),
-                                                   self.overheads.get("verify", 0.0), context)
+        return any(hints) and ctl.pays(cands, hints, batch, draft_cost, overhead, context)
 
     def _hint_request(self, host: SpecHost, rid: str) -> DraftRequest:
         """`_request(host, rid, 1)`, kept per request while its committed tokens are the same

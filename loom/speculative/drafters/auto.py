@@ -31,6 +31,7 @@ class AutoDrafter(Drafter):
         self.proposes_before_plan = all(d.proposes_before_plan for d in self.subs)
         steady = [d.steady_sources for d in self.subs]
         self.steady_sources = None if None in steady else sum(steady, ())
+        self.hint_sources = self.subs[0].hint_sources
         self.rate = lambda req_id, source: 0.0   # the controller's rate(request, source) once given
 
     def use_rates(self, rate) -> None:

@@ -69,6 +69,9 @@ class Drafter(ABC):
     # table always has a guess); with `hints`, what a plan could draft from, told without
     # proposing. None: not known (the decoder then proposes to find out).
     steady_sources: tuple[str, ...] | None = None
+    # Every source `hints` may name (prompt lookup's match lengths): where none of them would
+    # pay at its rate, the decoder need not ask for the hints at all.
+    hint_sources: tuple[str, ...] = ()
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:

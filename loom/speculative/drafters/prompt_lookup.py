@@ -92,6 +92,7 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, config, env):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}
+        self.hint_sources = tuple(f"prompt_lookup:{n}" for n in range(self.min_n, self.max_n + 1))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree | None]:
         out = []
