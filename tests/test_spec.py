@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 
-import math
 import random
 
 import pytest
@@ -148,41 +147,6 @@ def test_probes_are_spaced_by_what_one_node_costs():
     # one node that costs 4 rows' shares (a tile of its own): probes 4x further apart
     every, n = probes(0.012)
     assert every == pytest.approx(4 * PROBE_EVERY * 8) and n == 8 * int(2000 // every)
-
-
-def test_rejected_probes_back_off_up_to_the_probe_budget_and_an_accepted_one_restores_them():
-    from loom.speculative.controller import PROBE_BUDGET, PROBE_EVERY
-
-    ctl = SpecController(8, depth=lambda k: k)
-    ctl.cost.observe(1, 0, 0.010)
-    ctl.cost.observe(1, 1, 0.016)              # one more row: 60% of a lone sequence's step
-    ctl.cost.observe(1, 8, 0.100)              # real drafts never pay here
-    cap = 0.006 / (PROBE_BUDGET * 0.010)       # probes every `cap` steps take PROBE_BUDGET of the time
-
-    def next_probe() -> int:
-        """Steps of a lone sequence until its next probe, that step included (from a probe: every
-        steps on from the one that probed, the probing step counted as idle)."""
-        for n in range(1, 1000):
-            sizes = ctl.plan(["a"], 1, [8], 0.0) if not ctl.idle(1) else [int(bool(ctl.idle_step(1, ["a"])))]
-            if sizes[0]:
-                return n
-        raise AssertionError("no probe")
-
-    next_probe()
-    assert ctl.probe_every(1) == PROBE_EVERY
-    gaps = []
-    for _ in range(3):                         # rejected: 2x, then 4x up to the budget's spacing
-        ctl.record("a", 0, 1)
-        gaps.append(next_probe())
-    assert ctl.probe_every(1) == pytest.approx(cap) and cap < 4 * PROBE_EVERY
-    assert gaps[0] == 2 * PROBE_EVERY - 1 and gaps[1] == gaps[2] == math.ceil(cap) - 1
-    ctl.record("a", 1, 1)                      # accepted: back to every PROBE_EVERY steps
-    assert ctl.probe_every(1) == PROBE_EVERY and next_probe() == PROBE_EVERY - 1
-    ctl.record("a", 0, 8)
-    assert ctl.probe_every(1) == 2 * PROBE_EVERY
-    ctl.plan(["a"], 1, [8], 0.0)
-    ctl.record("a", 0, 8)                      # a planned draft's verdict does not count as a probe's
-    assert ctl.probe_every(1) == 2 * PROBE_EVERY
 
 
 def test_sequences_that_came_together_probe_in_turn_one_a_step():

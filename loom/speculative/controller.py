@@ -41,8 +41,7 @@ and 0.8% over 2%.
 When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
 and the step runs plain decoding. A sequence left without drafts is offered a one-node
 probe every PROBE_EVERY x batch steps (more where one node costs more than a sequence's share
-of a step; twice as many after each probe rejected in a row, up to PROBE_BUDGET of the batch's
-time) so that its estimate can recover; one sequence per step at most, so that requests
+of a step, or than PROBE_BUDGET of the batch's time) so that its estimate can recover; one sequence per step at most, so that requests
 that started together do not all probe in the same step. After a plan without
 drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run),
 twice as many after each further plan without drafts, up to IDLE_MAX - 1: where drafting does
@@ -227,8 +226,6 @@ class SpecController:
         self.clock = 0                                         # plans made or skipped, every batch size
         self.drafted_at: dict[str, int] = {}                   # request -> the clock when it last drafted (or came)
         self._probe_check = (0, 0)                             # (batch, clock): no probe is due before it
-        self._probing: dict[str, int] = {}                     # request -> the batch size of its pending probe
-        self._probe_misses: dict[int, int] = {}                # batch -> probes in a row that were rejected
         self._pays: dict[tuple, bool] = {}                     # memoised pays(), until the next verdict
         self.predicting: set[str] = set()                      # requests drafting from a predicted output
         self.total = _Rate()                                   # every source's, every sequence's
@@ -262,9 +259,6 @@ class SpecController:
         tries = accepted + (1 if accepted < max_depth else 0)
         self._pays.clear()
         self.verdicts += 1
-        probed = self._probing.pop(req_id, None)
-        if probed is not None:
-            self._probe_misses[probed] = 0 if accepted else self._probe_misses.get(probed, 0) + 1
         own = self.rates.setdefault(req_id, {})
         if source not in own:
             own[source] = _Rate()
@@ -278,7 +272,6 @@ class SpecController:
     def finish(self, req_id: str) -> None:
         self.rates.pop(req_id, None)
         self.drafted_at.pop(req_id, None)
-        self._probing.pop(req_id, None)
         self.predicting.discard(req_id)
 
     def wake(self, batch: int) -> None:
@@ -400,7 +393,6 @@ class SpecController:
         for i, rid in enumerate(req_ids):
             if sizes[i]:
                 since[rid] = clock
-                self._probing.pop(rid, None)    # a planned draft, not a probe, is verified next
             else:
                 at = since.setdefault(rid, clock)
                 if caps[i] and at < due_at:
@@ -411,7 +403,6 @@ class SpecController:
         if clock - due_at + 1 >= every:     # its idle steps, this one included
             sizes[oldest] = 1
             since[req_ids[oldest]] = clock
-            self._probing[req_ids[oldest]] = batch
         else:
             self._probe_check = (batch, due_at + math.ceil(every) - 1)
         return sizes
@@ -432,15 +423,12 @@ class SpecController:
         1/PROBE_EVERY of one sequence's share of the steps, stretched by what a one-node probe
         costs over that share. One more row can cost far more than a row's share: past a full
         register tile of rows (8 on AVX-512) it streams the weights again in a tile of its own,
-        +40% of an 8-row SmolLM2 step where a row's share is 12%. Each probe rejected in a row at
-        this batch size doubles that, up to where probes take PROBE_BUDGET of the batch's time; an
-        accepted one restores it: a lone sequence's share is the whole step, and where one more
-        row costs 47% of it (SmolLM2 on the AVX2 variant of an AVX-512 Xeon, its one-row GEMV
-        against a two-row tile) a probe every 16 steps took 2.9% of the time on text where none
-        was accepted, while on text that copies (translation, extraction) probes are how a
-        sequence gets back to drafting: at a flat 1% those categories lost 8-12%. The cost model
-        learns a probe step's cost from the first one timed."""
+        +40% of an 8-row SmolLM2 step where a row's share is 12%. And never so often that probes
+        take more than PROBE_BUDGET of the batch's time: a lone sequence's share is the whole
+        step, and where one more row costs 47% of it (SmolLM2 on the AVX2 variant of an AVX-512
+        Xeon, its one-row GEMV against a two-row tile) a probe every 16 steps took 2.9% of the
+        time on text where nothing was accepted. The cost model learns a probe step's cost from
+        the first one timed."""
         c0 = self.cost.cost(batch, 0, context)
         extra, share = self.cost.cost(batch, 1, context) - c0, c0 / batch
-        every = PROBE_EVERY * batch * max(1.0, extra / share)
-        return min(every * 2 ** self._probe_misses.get(batch, 0), max(every, extra / (PROBE_BUDGET * c0)))
+        return max(PROBE_EVERY * batch * max(1.0, extra / share), extra / (PROBE_BUDGET * c0))
