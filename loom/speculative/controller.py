@@ -41,7 +41,7 @@ and 0.8% over 2%.
 When drafts do not pay (a large batch, low acceptance, a slow drafter) that prefix is empty
 and the step runs plain decoding. A sequence left without drafts is offered a one-node
 probe every PROBE_EVERY x batch steps (more where one node costs more than a sequence's share
-of a step, or than PROBE_BUDGET of the batch's time) so that its estimate can recover; one sequence per step at most, so that requests
+of a step) so that its estimate can recover; one sequence per step at most, so that requests
 that started together do not all probe in the same step. After a plan without
 drafts the next IDLE_REPLAN - 1 steps of that batch size skip the search (probes still run),
 twice as many after each further plan without drafts, up to IDLE_MAX - 1: where drafting does
@@ -63,7 +63,6 @@ PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 2.0
 PREDICTION_RATE = 0.8  # the starting rate of a sequence drafting from its predicted output
 PROBE_EVERY = 16
-PROBE_BUDGET = 0.01    # the most of a batch's time its probes may take
 PATIENCE = 8           # increments without a better objective (at least; one per sequence) before the search stops
 IDLE_REPLAN = 4        # after a plan without drafts, the next full plan at that batch size is 4 steps on
 IDLE_MAX = 32          # ... 8, 16, then 32 steps on while the plans keep drafting nothing
@@ -423,12 +422,8 @@ class SpecController:
         1/PROBE_EVERY of one sequence's share of the steps, stretched by what a one-node probe
         costs over that share. One more row can cost far more than a row's share: past a full
         register tile of rows (8 on AVX-512) it streams the weights again in a tile of its own,
-        +40% of an 8-row SmolLM2 step where a row's share is 12%. And never so often that probes
-        take more than PROBE_BUDGET of the batch's time: a lone sequence's share is the whole
-        step, and where one more row costs 47% of it (SmolLM2 on the AVX2 variant of an AVX-512
-        Xeon, its one-row GEMV against a two-row tile) a probe every 16 steps took 2.9% of the
-        time on text where nothing was accepted. The cost model learns a probe step's cost from
-        the first one timed."""
+        +40% of an 8-row SmolLM2 step where a row's share is 12%. The cost model learns a probe
+        step's cost from the first one timed."""
         c0 = self.cost.cost(batch, 0, context)
-        extra, share = self.cost.cost(batch, 1, context) - c0, c0 / batch
-        return max(PROBE_EVERY * batch * max(1.0, extra / share), extra / (PROBE_BUDGET * c0))
+        share = c0 / batch
+        return PROBE_EVERY * batch * max(1.0, (self.cost.cost(batch, 1, context) - c0) / share)
