@@ -329,7 +329,8 @@ class SpecDecoder:
         due may draft, one node each, unless a source the drafter names without proposing (a
         fresh prompt-lookup match of a lone sequence) wakes a full plan. Most steps of a batch
         where drafting does not pay take this path, after a forward pass that has streamed the
-        weights through the caches: its Python runs cold, ~3 us a call."""
+        weights through the caches: its Python runs ~10x as long as in a loop, about as long as
+        the code and objects it touches take to come back from memory (docs/benchmarks.md)."""
         context = self._context(seqs)
         if batch <= HINT_MAX_BATCH and self._hinted(host, seqs, batch, context):
             self.controller.wake(batch)

@@ -67,9 +67,9 @@ class NgramIndex:
 
     def _step(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """`find` where the list grew by one token since the last look (a lone sequence's every
-        idle step): each n's one new start, then the tail's probe, in one pass. The step runs
-        just after a forward pass has streamed the weights through the caches, so its Python
-        runs cold (~1 us a line touched); this path touches fewer."""
+        idle step): each n's one new start, then the tail's probe, in one pass. It runs just
+        after a forward pass has streamed the weights through the caches, where Python costs
+        about what it touches; this path touches less than `_extend` and the probes apart."""
         N, found = len(tokens), None
         for n in range(self.max_n, self.min_n - 1, -1):
             grams = self.at[n]
