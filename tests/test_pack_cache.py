@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -114,6 +115,114 @@ def test_huge_page_buffer():
     if _thp_possible() and "THPeligible" in smaps:
         assert smaps["THPeligible"] == "1", smaps   # advised: the kernel may back it with 2 MB pages
     assert int(t.sum()) == 7 * (5 << 20)
+
+
+def _file_pmd_bytes(data: np.ndarray) -> int:
+    return hugepages.file_pmd_bytes(data.ctypes.data, data.nbytes)
+
+
+def test_a_file_maps_in_huge_pages_where_the_kernel_can(tmp_path):
+    """A file of a few huge pages, written and dropped from the page cache: mapped through the
+    advised mapping, it is in 2 MB pages wherever the probe says this kernel maps files so (and
+    map_file returns nothing where it does not); the mapping reads the file's bytes and is
+    copy-on-write."""
+    path = tmp_path / "weights.bin"
+    body = np.random.default_rng(0).integers(0, 256, 3 * hugepages.HUGE_PAGE + 12345, dtype=np.uint8)
+    path.write_bytes(body.tobytes())
+    supported = hugepages.probe_file_pages(tmp_path)
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".huge-pages-probe")]
+    hugepages.drop_cached(path)
+    data = hugepages.map_file(path)
+    assert (data is not None) == supported
+    if data is None:
+        assert hugepages.map_file(tmp_path / "weights.bin") is None
+        return
+    assert np.array_equal(data, body)
+    assert _file_pmd_bytes(data) >= 3 * hugepages.HUGE_PAGE * 0.9
+    data[:4] = 0   # a private mapping: the file keeps its bytes
+    assert path.read_bytes()[:4] == body[:4].tobytes()
+
+
+def test_a_small_file_is_not_mapped(tmp_path):
+    path = tmp_path / "small.bin"
+    path.write_bytes(b"\x01" * (2 * hugepages.HUGE_PAGE - 1))
+    assert hugepages.map_file(path) is None
+
+
+def _fake_huge_mapping(monkeypatch, works: bool) -> dict[str, int]:
+    """hugepages as on a kernel that maps files in 2 MB pages (works) or not, for the tiny
+    models' cache files (under two real huge pages): map_file maps the whole file privately."""
+    calls = {"map": 0, "drop": 0}
+    monkeypatch.setattr(hugepages, "HUGE_PAGE", 4096)
+
+    def map_file(path):
+        calls["map"] += 1
+        return np.memmap(path, dtype=np.uint8, mode="c") if works else None
+
+    def drop_cached(path):
+        calls["drop"] += 1
+
+    monkeypatch.setattr(hugepages, "map_file", map_file)
+    monkeypatch.setattr(hugepages, "drop_cached", drop_cached)
+    monkeypatch.setattr(hugepages, "probe_file_pages", lambda directory: works)
+    return calls
+
+
+def test_a_warm_load_maps_the_cache_file_where_it_maps_in_huge_pages(cache_dir, tiny_path, monkeypatch, caplog):
+    monkeypatch.setenv("LOOM_HUGEPAGES", "1")
+    cold = load_model(tiny_path, linear="quant")
+    calls = _fake_huge_mapping(monkeypatch, works=True)
+    packs = _count_packing(monkeypatch)
+    warm = load_model(tiny_path, linear="quant")
+    assert packs[0] == 0 and calls == {"map": 1, "drop": 0}
+    path = _pack_file(cache_dir)
+    for a, b in zip(_packed_weights(cold), _packed_weights(warm), strict=True):
+        assert torch.equal(a, b) and _mapping(b)[0] == str(path)   # the file's pages, not a copy
+    assert [w.data_ptr() for w in warm.stack.weights()] == [b.p.w.data_ptr() for L in warm.layers
+                                                            for b in (L.qkv, L.o, L.gate_up, L.down)]
+    assert (cache_dir / "packed" / f".huge-file-pages-{os.uname().release}").read_text() == "1\n"
+    assert _warnings(caplog) == []
+
+
+def test_a_cold_load_maps_the_file_it_wrote(cache_dir, tiny_llama_path, monkeypatch):
+    monkeypatch.setenv("LOOM_HUGEPAGES", "1")
+    _fake_huge_mapping(monkeypatch, works=True)
+    cold = load_model(tiny_llama_path, linear="quant")
+    path = _pack_file(cache_dir)
+    assert all(_mapping(w)[0] == str(path) for w in _packed_weights(cold))
+
+
+def test_where_files_do_not_map_in_huge_pages_a_load_copies_and_the_verdict_is_kept(
+        cache_dir, tiny_llama_path, monkeypatch):
+    monkeypatch.setenv("LOOM_HUGEPAGES", "1")
+    load_model(tiny_llama_path, linear="quant")
+    calls = _fake_huge_mapping(monkeypatch, works=False)
+    monkeypatch.setattr(hugepages, "probe_file_pages", lambda directory: calls.__setitem__("probe", 1) or False)
+    warm = load_model(tiny_llama_path, linear="quant")
+    assert _in_one_huge_page_buffer(warm)
+    assert calls == {"map": 0, "drop": 0, "probe": 1}, "the kernel cannot: no attempt, no second read"
+    verdict = cache_dir / "packed" / f".huge-file-pages-{os.uname().release}"
+    assert verdict.read_text() == "0\n"
+    load_model(tiny_llama_path, linear="quant")
+    assert calls["probe"] == 1, "probed once per kernel"
+
+
+def test_cached_4k_pages_are_dropped_and_read_again_once_per_load(cache_dir, tiny_llama_path, monkeypatch):
+    """Where the kernel maps files in 2 MB pages but this file's pages are cached in 4 KB folios
+    (another process read it), they are dropped and mapped again; where they stay (another
+    process maps them), the load copies."""
+    monkeypatch.setenv("LOOM_HUGEPAGES", "1")
+    load_model(tiny_llama_path, linear="quant")
+    calls = _fake_huge_mapping(monkeypatch, works=True)
+    results = iter([None, "map"])
+    real = hugepages.map_file
+    monkeypatch.setattr(hugepages, "map_file", lambda path: real(path) if next(results) else None)
+    warm = load_model(tiny_llama_path, linear="quant")
+    assert calls == {"map": 1, "drop": 1}
+    assert all(_mapping(w)[0] == str(_pack_file(cache_dir)) for w in _packed_weights(warm))
+    monkeypatch.setattr(hugepages, "map_file", lambda path: None)
+    warm = load_model(tiny_llama_path, linear="quant")
+    assert calls["drop"] == 2 and _in_one_huge_page_buffer(warm)
 
 
 def _warnings(caplog) -> list[str]:

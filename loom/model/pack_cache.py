@@ -8,9 +8,13 @@ One file per GGUF file (by content) and kernel variant, ``$LOOM_CACHE/packed/<sh
     zero padding to a 4096-byte boundary
     data: each entry's packed uint8 stream at a 64-byte aligned offset
 
-A load reads the data section into one huge-page buffer (loom/hugepages.py: a decode step
-streams every weight, and 2 MB pages spare it a TLB miss per 4 KB); `LOOM_HUGEPAGES=0`
-memory-maps it instead.
+A load maps the file where the kernel maps it in 2 MB pages (loom/hugepages.py: a decode step
+streams every weight, and 2 MB pages spare it a TLB miss per 4 KB; the mapping costs no copy,
+and processes loading the same model share its pages). Where the file's pages are cached in
+4 KB folios (read by other means), they are dropped from the page cache and read again through
+the mapping, in 2 MB folios; where that too gives 4 KB pages (a kernel or file system without large folios in
+its page cache: probed once per kernel, the verdict kept in the cache directory), the data
+section is read into one huge-page buffer instead. `LOOM_HUGEPAGES=0` maps the file as it is.
 
 The key names everything the bytes depend on: the GGUF file's sha256, the kernel variant, loom's
 version, the file format (PACK_FORMAT, bumped when this module's layout changes) and a digest of
@@ -82,8 +86,9 @@ def cache_key(f: GGUFFile, variant: str, on_hash: Callable[[int], None] | None =
             "format": PACK_FORMAT, "code": source_digest(*_CODE)}
 
 
-def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
-    """The entries of a valid cache file for `key`; raises BadCacheFile."""
+def read_pack_file(path: Path, key: dict, copy: bool = True) -> dict[str, PackedCodes] | None:
+    """The entries of a valid cache file for `key`; raises BadCacheFile. copy=False: None where
+    the data section would be copied into a huge-page buffer (not mapped in 2 MB pages)."""
     size = path.stat().st_size
     if size < _PREFIX.size:
         raise BadCacheFile(f"truncated ({size} bytes)")
@@ -104,7 +109,9 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
         was = index.get("key") or {}
         diff = ", ".join(f"{k} {was.get(k)!r} -> {v!r}" for k, v in key.items() if was.get(k) != v)
         raise BadCacheFile(f"stale ({diff})")
-    data = _read_data(path, data_start, data_len) if data_len else None
+    data = _read_data(path, data_start, data_len, copy) if data_len else None
+    if data_len and data is None:
+        return None
     out = {}
     for name, e in index["entries"].items():
         off, nbytes = int(e["offset"]), int(e["nbytes"])
@@ -121,11 +128,16 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
     return out
 
 
-def _read_data(path: Path, start: int, nbytes: int) -> np.ndarray:
-    """The file's data section: read into a huge-page buffer (loom/hugepages.py), or mapped
-    from the file where that is turned off."""
+def _read_data(path: Path, start: int, nbytes: int, copy: bool = True) -> np.ndarray | None:
+    """The file's data section: mapped in 2 MB pages (_map_huge), else read into a huge-page
+    buffer (loom/hugepages.py; copy=False: None), or mapped as it is where huge pages are off."""
     if not hugepages.enabled():
         return np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(nbytes,))
+    mapped = _map_huge(path)
+    if mapped is not None:
+        return mapped[start:start + nbytes]
+    if not copy:
+        return None
     data = hugepages.buffer(nbytes)
     view, got = memoryview(data), 0
     with path.open("rb", buffering=0) as fh:
@@ -136,6 +148,38 @@ def _read_data(path: Path, start: int, nbytes: int) -> np.ndarray:
                 raise BadCacheFile(f"truncated while reading ({start + got} bytes)")
             got += n
     return data
+
+
+def _map_huge(path: Path) -> np.ndarray | None:
+    """The whole file mapped in 2 MB pages (hugepages.map_file): as its pages are cached, or
+    else once they are dropped and read again through the advised mapping (pages that another
+    process maps stay as they are). None where neither maps it so, or where the kernel maps no
+    file of the cache's file system in 2 MB pages (_huge_file_pages)."""
+    if path.stat().st_size < 2 * hugepages.HUGE_PAGE or not _huge_file_pages(path.parent):
+        return None
+    mapped = hugepages.map_file(path)
+    if mapped is None:
+        hugepages.drop_cached(path)
+        mapped = hugepages.map_file(path)
+    return mapped
+
+
+def _huge_file_pages(directory: Path) -> bool:
+    """Whether this kernel maps the cache directory's files in 2 MB pages: probed once per
+    kernel release (hugepages.probe_file_pages), the verdict kept beside the cache files. Where
+    it does not, a load copies the data section (a dropped file's second read from disk would
+    cost every load)."""
+    verdict = directory / f".huge-file-pages-{os.uname().release}"
+    try:
+        return verdict.read_text().strip() == "1"
+    except OSError:
+        pass
+    ok = hugepages.probe_file_pages(directory)
+    try:
+        atomic_write(verdict, lambda out: out.write(b"1\n" if ok else b"0\n"))
+    except CacheWriteError:
+        pass   # probed again next time
+    return ok
 
 
 def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -> None:
@@ -153,6 +197,8 @@ def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -
     for name, p in entries.items():
         out.write(memoryview(p.w.numpy().reshape(-1)))
         out.write(b"\0" * (-p.w.numel() % _ENTRY_ALIGN))
+    out.flush()
+    os.fsync(out.fileno())   # on disk before the rename, and its pages clean: droppable (_map_huge)
 
 
 class PackCache:
@@ -194,12 +240,11 @@ class PackCache:
 
     def save(self) -> None:
         """Writes every entry (cached and new) when anything new was packed, then holds them
-        as a warm load would: in a huge-page buffer, or as the written file's pages."""
+        as a warm load would: as the written file's pages (in 2 MB pages where huge pages are
+        on), else in a huge-page buffer."""
         if not self.new:
             return
-        if self.path is not None and self._write() and not hugepages.enabled():
-            self._map_written()
-        else:
+        if not (self.path is not None and self._write() and self._map_written()):
             self._gather()   # (nothing to do where huge pages are off)
 
     def _write(self) -> bool:
@@ -230,17 +275,22 @@ class PackCache:
                 since_trim = 0
         _trim_heap()
 
-    def _map_written(self) -> None:
-        """Points the packed forms at the file just written: the process then holds the weights
-        as after a warm load (in huge pages), and the packing's own copies are freed."""
+    def _map_written(self) -> bool:
+        """Points the packed forms at the file just written, where a warm load would map it
+        (in 2 MB pages where huge pages are on): the packing's own copies are then freed.
+        False (nothing changed) where it would be copied, which _gather does without holding
+        two whole copies at once."""
         try:
-            mapped = read_pack_file(self.path, self.key)
+            mapped = read_pack_file(self.path, self.key, copy=False)
         except (BadCacheFile, OSError, ValueError, KeyError, TypeError):
-            return   # keep the in-memory copies; the next load checks the file again
+            return False   # keep the in-memory copies; the next load checks the file again
+        if mapped is None:
+            return False
         for name, p in self.entries.items():
             if name in mapped and mapped[name].w.shape == p.w.shape:
                 p.w = mapped[name].w
         _trim_heap()
+        return True
 
     def close(self) -> None:
         self.bar.close()
