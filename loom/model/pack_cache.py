@@ -12,9 +12,10 @@ A load maps the file where the kernel maps it in 2 MB pages (loom/hugepages.py: 
 streams every weight, and 2 MB pages spare it a TLB miss per 4 KB; the mapping costs no copy,
 and processes loading the same model share its pages). Where the file's pages are cached in
 4 KB folios (read by other means), they are dropped from the page cache and read again through
-the mapping, in 2 MB folios; where that too gives 4 KB pages (a kernel or file system without large folios in
-its page cache: probed once per kernel, the verdict kept in the cache directory), the data
-section is read into one huge-page buffer instead. `LOOM_HUGEPAGES=0` maps the file as it is.
+the mapping, in 2 MB folios. Where the kernel maps no file there in 2 MB pages (no large folios
+in its page cache for the file system: probed once per kernel, the verdict kept in the cache
+directory), or the pages stay in 4 KB folios (another process maps them), the data section is
+read into one huge-page buffer instead. `LOOM_HUGEPAGES=0` maps the file as it is.
 
 The key names everything the bytes depend on: the GGUF file's sha256, the kernel variant, loom's
 version, the file format (PACK_FORMAT, bumped when this module's layout changes) and a digest of
