@@ -184,14 +184,6 @@ def test_a_warm_load_maps_the_cache_file_where_it_maps_in_huge_pages(cache_dir, 
     assert _warnings(caplog) == []
 
 
-def test_a_cold_load_maps_the_file_it_wrote(cache_dir, tiny_llama_path, monkeypatch):
-    monkeypatch.setenv("LOOM_HUGEPAGES", "1")
-    _fake_huge_mapping(monkeypatch, works=True)
-    cold = load_model(tiny_llama_path, linear="quant")
-    path = _pack_file(cache_dir)
-    assert all(_mapping(w)[0] == str(path) for w in _packed_weights(cold))
-
-
 def test_where_files_do_not_map_in_huge_pages_a_load_copies_and_the_verdict_is_kept(
         cache_dir, tiny_llama_path, monkeypatch):
     monkeypatch.setenv("LOOM_HUGEPAGES", "1")

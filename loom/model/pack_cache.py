@@ -87,9 +87,8 @@ def cache_key(f: GGUFFile, variant: str, on_hash: Callable[[int], None] | None =
             "format": PACK_FORMAT, "code": source_digest(*_CODE)}
 
 
-def read_pack_file(path: Path, key: dict, copy: bool = True) -> dict[str, PackedCodes] | None:
-    """The entries of a valid cache file for `key`; raises BadCacheFile. copy=False: None where
-    the data section would be copied into a huge-page buffer (not mapped in 2 MB pages)."""
+def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
+    """The entries of a valid cache file for `key`; raises BadCacheFile."""
     size = path.stat().st_size
     if size < _PREFIX.size:
         raise BadCacheFile(f"truncated ({size} bytes)")
@@ -110,9 +109,7 @@ def read_pack_file(path: Path, key: dict, copy: bool = True) -> dict[str, Packed
         was = index.get("key") or {}
         diff = ", ".join(f"{k} {was.get(k)!r} -> {v!r}" for k, v in key.items() if was.get(k) != v)
         raise BadCacheFile(f"stale ({diff})")
-    data = _read_data(path, data_start, data_len, copy) if data_len else None
-    if data_len and data is None:
-        return None
+    data = _read_data(path, data_start, data_len) if data_len else None
     out = {}
     for name, e in index["entries"].items():
         off, nbytes = int(e["offset"]), int(e["nbytes"])
@@ -129,16 +126,14 @@ def read_pack_file(path: Path, key: dict, copy: bool = True) -> dict[str, Packed
     return out
 
 
-def _read_data(path: Path, start: int, nbytes: int, copy: bool = True) -> np.ndarray | None:
+def _read_data(path: Path, start: int, nbytes: int) -> np.ndarray:
     """The file's data section: mapped in 2 MB pages (_map_huge), else read into a huge-page
-    buffer (loom/hugepages.py; copy=False: None), or mapped as it is where huge pages are off."""
+    buffer (loom/hugepages.py), or mapped as it is where huge pages are off."""
     if not hugepages.enabled():
         return np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(nbytes,))
     mapped = _map_huge(path)
     if mapped is not None:
         return mapped[start:start + nbytes]
-    if not copy:
-        return None
     data = hugepages.buffer(nbytes)
     view, got = memoryview(data), 0
     with path.open("rb", buffering=0) as fh:
@@ -199,7 +194,7 @@ def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -
         out.write(memoryview(p.w.numpy().reshape(-1)))
         out.write(b"\0" * (-p.w.numel() % _ENTRY_ALIGN))
     out.flush()
-    os.fsync(out.fileno())   # on disk before the rename, and its pages clean: droppable (_map_huge)
+    os.fsync(out.fileno())   # on disk before the rename, its pages clean: the next load can drop them (_map_huge)
 
 
 class PackCache:
@@ -241,11 +236,15 @@ class PackCache:
 
     def save(self) -> None:
         """Writes every entry (cached and new) when anything new was packed, then holds them
-        as a warm load would: as the written file's pages (in 2 MB pages where huge pages are
-        on), else in a huge-page buffer."""
+        in a huge-page buffer, or as the written file's pages where huge pages are off. (Not
+        as a warm load maps the file: that would hold the file's pages and the packing's
+        copies at once, Gemma 3's cold load peaking 113 MB higher; _gather frees the copies as
+        it goes.)"""
         if not self.new:
             return
-        if not (self.path is not None and self._write() and self._map_written()):
+        if self.path is not None and self._write() and not hugepages.enabled():
+            self._map_written()
+        else:
             self._gather()   # (nothing to do where huge pages are off)
 
     def _write(self) -> bool:
@@ -276,22 +275,17 @@ class PackCache:
                 since_trim = 0
         _trim_heap()
 
-    def _map_written(self) -> bool:
-        """Points the packed forms at the file just written, where a warm load would map it
-        (in 2 MB pages where huge pages are on): the packing's own copies are then freed.
-        False (nothing changed) where it would be copied, which _gather does without holding
-        two whole copies at once."""
+    def _map_written(self) -> None:
+        """Points the packed forms at the file just written: the process then holds the weights
+        as after a warm load, and the packing's own copies are freed."""
         try:
-            mapped = read_pack_file(self.path, self.key, copy=False)
+            mapped = read_pack_file(self.path, self.key)
         except (BadCacheFile, OSError, ValueError, KeyError, TypeError):
-            return False   # keep the in-memory copies; the next load checks the file again
-        if mapped is None:
-            return False
+            return   # keep the in-memory copies; the next load checks the file again
         for name, p in self.entries.items():
             if name in mapped and mapped[name].w.shape == p.w.shape:
                 p.w = mapped[name].w
         _trim_heap()
-        return True
 
     def close(self) -> None:
         self.bar.close()
