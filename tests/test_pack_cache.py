@@ -133,6 +133,9 @@ def test_a_file_maps_in_huge_pages_where_the_kernel_can(tmp_path):
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".huge-pages-probe")]
     hugepages.drop_cached(path)
     data = hugepages.map_file(path)
+    if data is None and supported:   # a 2 MB folio the page cache could not get just then: once more
+        hugepages.drop_cached(path)
+        data = hugepages.map_file(path)
     assert (data is not None) == supported
     if data is None:
         assert hugepages.map_file(tmp_path / "weights.bin") is None
