@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 
 HUGE_PAGE = 2 << 20
+# whether this platform can map a file in huge pages at all (Linux: madvise and fadvise)
+FILE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(os, "posix_fadvise")
 
 
 def enabled() -> bool:
@@ -60,7 +62,7 @@ def map_file(path: Path) -> np.ndarray | None:
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         whole = size // HUGE_PAGE * HUGE_PAGE
-        if whole < 2 * HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if whole < 2 * HUGE_PAGE or not FILE_PAGES:
             return None
         m = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     data = np.frombuffer(m, dtype=np.uint8)
@@ -81,6 +83,8 @@ def map_file(path: Path) -> np.ndarray | None:
 def drop_cached(path: Path) -> None:
     """Asks the kernel to drop the file's pages from its page cache (those no process maps and
     that are written back), so that the next faults on an advised mapping read it in 2 MB folios."""
+    if not FILE_PAGES:
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -112,6 +116,8 @@ def probe_file_pages(directory: Path) -> bool:
     """Whether the kernel maps a file of `directory`'s file system in 2 MB pages once its pages
     are read through an advised mapping (map_file): a fresh file of two huge pages, written,
     dropped from the page cache and mapped. False where it cannot be written."""
+    if not FILE_PAGES:
+        return False
     try:
         fd, name = tempfile.mkstemp(prefix=".huge-pages-probe.", dir=directory)
     except OSError:
