@@ -5,9 +5,10 @@ compiled kernels differ, so the ratio is theirs. Reports, per batch and build, t
 tok/s and ms per decode step (benchmarks/step_profile.py's run: N requests of 128-token prompts,
 greedy past EOS, decode steps only).
 
---scatter first runs a few hundred requests of random lengths to completion, so that the KV
-pool's free blocks are out of order, as a long-running server's are: each sequence's blocks are
-then scattered over the cache (a fresh engine's are mostly consecutive).
+--scatter gives the engine a 1,024-block KV pool and first runs requests of random lengths
+through it until three times its tokens have passed, so that its free blocks are out of order,
+as a long-running server's are: each sequence's blocks are then scattered over the cache (a
+fresh engine's are mostly consecutive).
 
 Usage (repository root): PYTHONPATH=. python benchmarks/step_ab.py --before /work/main [--rounds 3] [--scatter]
 """
