@@ -20,7 +20,7 @@ exported to Hugging Face format (`loom.bench.hf_export`, float32), on prompt + o
 head: AdamW with a one-cycle schedule (peak 2e-3), batches of 1,024 positions, zero-initialised
 so it starts as the model's own next-token prediction.
 
-Run from the repository root (about 20 minutes on 2 cores; stages are kept in --work):
+Run from the repository root (15-20 minutes on 2 cores; stages are kept in --work):
     .venv/bin/python benchmarks/draft_head.py [--model smollm2-135m] [--gsm8k 1000] [--epochs 1.5]
 """
 
@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+from loom.bench.prompts import SPEC_BENCH_PATH
+from loom.bench.suites.parallel import load_gsm8k
 
 
 def prompts(tok, gsm8k: int) -> tuple[list, list]:
     """(test, train): lists of (category, prompt ids)."""
     seen, test, train = defaultdict(int), [], []
-    for line in (SHARED / "spec_bench" / "question.jsonl").read_text().splitlines():
+    for line in SPEC_BENCH_PATH.read_text().splitlines():
         if not line.strip():
             continue
         row = json.loads(line)
@@ -52,9 +53,9 @@ def prompts(tok, gsm8k: int) -> tuple[list, list]:
             test.append((row["category"], ids))
         else:
             train.append(("spec-bench", ids))
-    for line in (SHARED / "gsm8k" / "train.jsonl").read_text().splitlines()[:gsm8k]:
-        question = json.loads(line)["question"]
-        train.append(("gsm8k", tok.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True)))
+    for row in load_gsm8k(gsm8k):
+        train.append(("gsm8k", tok.encode_chat([{"role": "user", "content": row["question"]}],
+                                               add_generation_prompt=True)))
     return test, train
 
 
