@@ -85,7 +85,9 @@ class StructuredOutputsParams:
         constrained regions between begin/end tags.
 
     The constraint is compiled when the request is added (an error names the field and the
-    compiler's message) and applied as a token mask at every sampling step.
+    compiler's message) and applied as a token mask at every sampling step. `source`: the field
+    an error names (default ``structured_outputs.<kind>``), where the constraint came from
+    another field of a request (the server's `response_format`, a forced tool call's `tools`).
     """
 
     json: str | dict | None = None
@@ -94,6 +96,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | dict | None = None
+    source: str | None = dataclasses.field(default=None, compare=False)
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -121,6 +124,11 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field_name(self) -> str:
+        """The request field an error about this constraint names."""
+        return self.source or f"structured_outputs.{self.kind}"
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints share one compiled grammar."""

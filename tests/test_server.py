@@ -329,6 +329,67 @@ def test_prompt_forms_batches_and_echo(tiny: LoomServer) -> None:
     assert lists.choices[0].text == by_ids.choices[0].text
 
 
+def test_null_is_an_omitted_field(tiny: LoomServer) -> None:
+    """The OpenAI client sends null for an argument given as None: it means the default, and an
+    unknown field sent as null asks for nothing."""
+    chat = httpx.post(f"{tiny.url}{CHAT}", timeout=30, json={
+        "messages": QUESTION, "max_tokens": 2, "n": None, "stream": None, "logprobs": None, "modalities": None,
+        "stream_options": None, "tool_choice": None})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    done = client(tiny).completions.create(model="tiny-llama", prompt="hello", max_tokens=2, n=None, echo=None,
+                                           extra_body={"suffix": None})
+    assert len(done.choices) == 1 and done.choices[0].text
+    bad = httpx.post(f"{tiny.url}{COMPLETIONS}", json={"prompt": None}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
+def test_a_scored_prompt_counts_no_completion_tokens(tiny: LoomServer) -> None:
+    """max_tokens 0 with echo scores the prompt (lm-eval's loglikelihood): nothing generated is
+    returned, so none is counted, streamed or not."""
+    body = {"model": "tiny-llama", "prompt": "hello world", "max_tokens": 0, "echo": True, "logprobs": 1}
+    whole = httpx.post(f"{tiny.url}{COMPLETIONS}", json=body, timeout=30).json()
+    assert whole["choices"][0]["text"] == "hello world" and whole["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", f"{tiny.url}{COMPLETIONS}", timeout=30, json={
+            **body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    assert all(c["usage"]["completion_tokens"] == 0 for c in chunks if c.get("usage"))
+
+
+def test_echo_offsets_are_places_in_the_returned_text(strict: LoomServer) -> None:
+    """With echo and logprobs every text_offset is where its token's text starts in the returned
+    text: the BOS the tokenizer adds to a text prompt is not in that text and takes no
+    characters, and the continuation starts right after the prompt, streamed or not."""
+    wait_for(lambda: _idle(strict), what="an idle server")
+    body = {"prompt": "hello world", "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0,
+            "ignore_eos": True}
+    for stream in (False, True):
+        if stream:
+            with httpx.stream("POST", f"{strict.url}{COMPLETIONS}", json={**body, "stream": True},
+                              headers=strict.headers(), timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+            offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+        else:
+            lp = httpx.post(f"{strict.url}{COMPLETIONS}", json=body, headers=strict.headers(),
+                            timeout=60).json()["choices"][0]["logprobs"]
+            tokens, offsets = lp["tokens"], lp["text_offset"]
+        assert tokens[0] == "<s>" and offsets[:2] == [0, 0], (tokens, offsets)
+        assert offsets == sorted(offsets) and offsets[-3] == len("hello world"), (tokens, offsets)
+
+
+def test_streamed_offsets_match_the_whole_answer_when_a_stop_string_holds_text_back(tiny: LoomServer) -> None:
+    kwargs = dict(model="tiny-llama", prompt="hello world", max_tokens=8, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    free = client(tiny).completions.create(**kwargs).choices[0].logprobs.tokens
+    stop = "".join(free[2:4])   # the third token's text is held back while it may begin the stop string
+    whole = client(tiny).completions.create(stop=[stop], **kwargs).choices[0].logprobs
+    chunks = list(client(tiny).completions.create(stream=True, stop=[stop], **kwargs))
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.text_offset and len(offsets) >= 3
+
+
 def test_models_health_version_stats(tiny: LoomServer) -> None:
     models = client(tiny).models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
@@ -366,14 +427,18 @@ BAD_REQUESTS = [
      "min_tokens", "max_tokens"),
     ("max-tokens-above-cap", COMPLETIONS, b'{"prompt": "hi", "max_tokens": 17}', 400, "max_tokens", "16"),
     ("empty-prompt", COMPLETIONS, b'{"prompt": ""}', 400, "prompt", "at least 1"),
-    ("token-out-of-vocab", COMPLETIONS, b'{"prompt": [1, 99999999]}', 400, None, "token ids"),
+    ("token-out-of-vocab", COMPLETIONS, b'{"prompt": [1, 99999999]}', 400, "prompt", "token ids"),
     ("logit-bias-key", COMPLETIONS, b'{"prompt": "hi", "logit_bias": {"-3": 1}}', 400, "logit_bias", "token ids"),
-    ("logit-bias-out-of-vocab", COMPLETIONS, b'{"prompt": "hi", "logit_bias": {"99999999": 1}}', 400, None,
-     "outside the vocabulary"),
+    ("logit-bias-out-of-vocab", COMPLETIONS, b'{"prompt": "hi", "logit_bias": {"99999999": 1}}', 400,
+     "logit_bias", "outside the vocabulary"),
     ("allowed-ids-empty", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": []}', 400,
      "allowed_token_ids", "at least 1"),
     ("bad-words-empty-word", COMPLETIONS, b'{"prompt": "hi", "bad_words": [""]}', 400, "bad_words.0", "at least 1"),
-    ("prompt-too-long", COMPLETIONS, json.dumps({"prompt": "hello " * 1200}).encode(), 400, None, "context"),
+    ("prompt-too-long", COMPLETIONS, json.dumps({"prompt": "hello " * 1200}).encode(), 400, "prompt", "context"),
+    ("chat-prompt-too-long", CHAT, json.dumps({"messages": [{"role": "user", "content": "hello " * 1200}]}).encode(),
+     400, "messages", "context"),
+    ("stream-options-without-stream", COMPLETIONS, b'{"prompt": "hi", "stream_options": {"include_usage": true}}',
+     400, "stream_options", "stream: true"),
     ("unknown-model", COMPLETIONS, b'{"prompt": "hi", "model": "gpt-9"}', 404, "model", "does not exist"),
     ("empty-messages", CHAT, b'{"messages": []}', 400, "messages", "at least 1"),
     ("bad-role", CHAT, b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role", "user"),
@@ -485,6 +550,14 @@ def test_full_queue_is_429_and_server_keeps_serving(strict: LoomServer) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 600
     later = client(strict).completions.create(model="tiny-spm", prompt="hello", max_tokens=4)
     assert later.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_batch_larger_than_the_waiting_queue_is_a_400(strict: LoomServer) -> None:
+    """A batch waits at once: one larger than --max-waiting would get 429 however long the client
+    waited, so it is refused as it is, naming the limit."""
+    r = httpx.post(f"{strict.url}{COMPLETIONS}", json={"prompt": ["a", "b"], "max_tokens": 1},
+                   headers=strict.headers(), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "--max-waiting" in r.text
 
 
 def test_disconnect_mid_stream_frees_blocks(strict: LoomServer) -> None:

@@ -320,7 +320,9 @@ def test_structured_outputs_field_on_both_endpoints(tiny: LoomServer) -> None:
     ({"logit_bias": {"x1": 5}}, "logit_bias", "token ids"),
     ({"logit_bias": {"1": 500}}, "logit_bias", "100"),
     ({"frobnicate": True}, "frobnicate", "does not implement it"),
-    ({"structured_outputs": {"regex": "a(b"}}, None, "structured_outputs.regex does not compile"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "structured_outputs.regex does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "number", "multipleOf": 0.5}}}}, "response_format.json_schema.schema", "does not compile"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs a json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type", ""),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
@@ -516,6 +518,31 @@ def test_auto_tool_choice_streams_calls_as_deltas_for_each_of_n_choices(tiny_cli
         assert len(deltas) > 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
         args = "".join(d.function.arguments for d in deltas)
         assert json.loads(args) == json.loads(whole[i].message.tool_calls[0].function.arguments)
+        assert _streamed_tokens(mine) == [t.token for t in whole[i].logprobs.content]   # logprobs ride along
+
+
+def test_forced_calls_stream_their_logprobs_and_a_named_function_is_called_once(tiny_client) -> None:
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT, TIME], temperature=0,
+               tool_choice={"type": "function", "function": {"name": "set_unit"}}, max_completion_tokens=200,
+               logprobs=True, top_logprobs=2)
+    whole = tiny_client.chat.completions.create(**ask).choices[0]
+    chunks = [c for ch in tiny_client.chat.completions.create(**ask, stream=True) for c in ch.choices]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
+    assert _streamed_tokens(chunks) == [t.token for t in whole.logprobs.content] and whole.logprobs.content
+
+
+def test_a_named_tool_choice_allows_one_call_unless_parallel_calls_are_asked_for() -> None:
+    from loom.server.openai_api import _tool_plan
+    from loom.server.protocol import ChatCompletionRequest
+
+    def plan(**body):
+        return _tool_plan(ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME], **body}))
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert not plan(tool_choice=named).parallel and plan(tool_choice=named, parallel_tool_calls=True).parallel
+    assert plan(tool_choice="required").parallel and not plan(tool_choice="required", parallel_tool_calls=False).parallel
+    one = plan(tool_choice=named).forced_schema()
+    assert one != plan(tool_choice=named, parallel_tool_calls=True).forced_schema()
 
 
 @pytest.mark.parametrize("text, max_tokens, finish, calls_sent", [

@@ -6,6 +6,7 @@ The interface (what openai_api.py, choices and metrics use):
     abort(request_id)                                        # ends it, frees its KV blocks
     stats() -> EngineSample                                  # /metrics, /v1/loom/stats
     tokenizer, model_name, max_model_len, vocab_size, error  # error: why the engine is gone
+    max_waiting                                              # the engine's waiting-queue bound (None: none)
     restarts                                                 # engines started anew after one died
     start() / shutdown()                                     # with the app's lifespan
 
@@ -115,6 +116,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    max_waiting: int | None
     error: BaseException | None
     restarts: int                   # engines started anew after one died
 
@@ -142,6 +144,7 @@ class ProcessEngineClient:
 
     def __init__(self, config: EngineConfig, log_level: str = "info", restarts: int = DEFAULT_ENGINE_RESTARTS):
         self._args = (config, log_level)
+        self.max_waiting = config.scheduler.max_waiting
         self._max_restarts = restarts
         self._restart_times: list[float] = []
         self.restarts = 0                   # engine processes started after the first

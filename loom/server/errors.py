@@ -43,8 +43,9 @@ _FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
 # Location parts pydantic adds for union members or wrappers; they are not field names.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes", "list", "dict"})
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
-# SamplingParams and the engine start their messages with the field's name.
-_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*) must be ")
+# SamplingParams and the engine start their messages with the field's name ("max_tokens must be
+# ...", "structured_outputs.json does not compile: ...", "prompt is 9000 tokens, ...").
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*) (?:must |does not |is \d|token ids must |holds |leaves )")
 
 
 class ApiError(Exception):
@@ -72,8 +73,9 @@ def error_response(status: int, message: str, *, type: str | None = None, param:
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def api_error_from_loom(e: LoomError) -> ApiError:
-    """The API error for a LoomError raised while serving a request."""
+def api_error_from_loom(e: LoomError, path: str = "") -> ApiError:
+    """The API error for a LoomError raised while serving a request (at `path`: a chat request's
+    prompt is its messages)."""
     message = str(e)
     if isinstance(e, QueueFullError):
         return ApiError(429, f"{message}; retry later", code="queue_full",
@@ -82,7 +84,10 @@ def api_error_from_loom(e: LoomError) -> ApiError:
         return ApiError(503, message, type=SERVER_ERROR, code="engine_unavailable",
                         headers={"Retry-After": str(engine_retry_after(e))})
     match = _LEADING_FIELD.match(message)
-    return ApiError(400, message, param=match.group(1) if match else None)
+    param = match.group(1) if match else None
+    if param == "prompt" and path.endswith("/chat/completions"):
+        param = "messages"
+    return ApiError(400, message, param=param)
 
 
 def engine_retry_after(e: EngineDeadError) -> int:
@@ -145,8 +150,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, param=param, code="invalid_value" if param else "invalid_body")
 
     @app.exception_handler(LoomError)
-    async def _loom(_: Request, e: LoomError) -> JSONResponse:
-        err = api_error_from_loom(e)
+    async def _loom(request: Request, e: LoomError) -> JSONResponse:
+        err = api_error_from_loom(e, request.url.path)
         return error_response(err.status, err.message, type=err.type, param=err.param, code=err.code,
                               headers=err.headers)
 

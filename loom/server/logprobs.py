@@ -66,6 +66,17 @@ def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequen
                               text_offset=text_offset)
 
 
+def text_length(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int]) -> int:
+    """The characters `token_ids` span in the completions layout's offsets (a token without
+    an entry spans none, as there)."""
+    total = 0
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id)
+        if chosen is not None:
+            total += len(_text(chosen))
+    return total
+
+
 def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int,
                   as_ids: bool = False) -> ChatLogprobs:
     """The chat layout for `token_ids` with `k` alternatives per token."""

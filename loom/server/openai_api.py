@@ -49,7 +49,7 @@ from loom.server.errors import (
     install_error_handlers,
 )
 from loom.server.limits import BodySizeLimit, Cors
-from loom.server.logprobs import chat_logprobs, completion_logprobs, finite, token_name
+from loom.server.logprobs import chat_logprobs, completion_logprobs, finite, text_length, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
     DetokenizeRequest,
@@ -156,10 +156,16 @@ def chat_chunk_dict(chunk: ChatCompletionChunk) -> dict[str, Any]:
     return data
 
 
-def _choice_usage(out: RequestOutput) -> UsageInfo:
-    """One choice's usage so far: its prompt and the tokens it has generated."""
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def _choice_usage(out: RequestOutput, score_only: bool = False) -> UsageInfo:
+    """One choice's usage so far: its prompt and the tokens it has generated (none returned where
+    the prompt is only scored)."""
+    prompt, completion = len(out.prompt_token_ids), 0 if score_only else len(out.outputs[0].token_ids)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _check_stream_options(body: SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options needs stream: true", param="stream_options", code="invalid_value")
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -188,12 +194,14 @@ def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
                            param="response_format.json_schema", code="invalid_value")
         return None
     if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json_object=True, source="response_format")
     if fmt.json_schema is None:
         raise ApiError(400, "response_format of type 'json_schema' needs a json_schema object",
                        param="response_format.json_schema", code="invalid_value")
     schema = fmt.json_schema.schema_
-    return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+    if schema is None:
+        return StructuredOutputsParams(json_object=True, source="response_format")
+    return StructuredOutputsParams(json=schema, source="response_format.json_schema.schema")
 
 
 def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -221,14 +229,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogprobs,
+def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogprobs, echo: str,
                           decode: Callable[[list[int]], str], as_ids: bool = False) -> CompletionLogprobs:
     """The legacy layout of an echoed prompt's tokens (the first one's logprob and top null: nothing
-    precedes it), followed by `completion`'s (whose offsets already count the echoed text)."""
+    precedes it), followed by `completion`'s (whose offsets already count the echoed text). The
+    offsets are places in the returned text: a BOS the tokenizer added to a text prompt is not
+    in the echoed text, so it takes no characters there."""
     ids = out.prompt_token_ids
     entries = out.prompt_logprobs or [None]
     first = decode(ids[:1])
-    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k, offset=len(first), as_ids=as_ids)
+    width = len(first) if echo.startswith(first) else 0
+    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k, offset=width, as_ids=as_ids)
     tokens = [f"token_id:{ids[0]}" if as_ids else first] + rest.tokens
     offsets = [0] + rest.text_offset
     return CompletionLogprobs(tokens=tokens + completion.tokens,
@@ -259,7 +270,9 @@ def _tool_plan(body: ChatCompletionRequest) -> ToolPlan:
                            param="tool_choice", code="invalid_value")
     elif choice != "auto" and not tools:
         raise ApiError(400, f"tool_choice {choice!r} needs tools", param="tool_choice", code="invalid_value")
-    return ToolPlan(tools, choice, named, body.parallel_tool_calls is not False)
+    # a named function is called once (as vLLM forces it), unless parallel calls are asked for
+    parallel = body.parallel_tool_calls is True if named is not None else body.parallel_tool_calls is not False
+    return ToolPlan(tools, choice, named, parallel)
 
 
 def _delta_calls(deltas: list[dict[str, Any]]) -> list[DeltaToolCall] | None:
@@ -267,16 +280,19 @@ def _delta_calls(deltas: list[dict[str, Any]]) -> list[DeltaToolCall] | None:
                           function=DeltaFunctionCall(**d["function"])) for d in deltas] or None
 
 
-def _call_chunk(index: int, out: RequestOutput, tools: ToolPlan, stream: CallStream) -> ChatChunkChoice | None:
+def _call_chunk(index: int, out: RequestOutput, tools: ToolPlan, stream: CallStream,
+                logprobs: Callable[[], ChatLogprobs | None]) -> ChatChunkChoice | None:
     """A streamed choice whose output the grammar forces to be calls: the deltas its new text
-    adds; at its end finish_reason `tool_calls`, or `length` (and the fragments so far) when
-    max_tokens cut the calls short."""
+    adds, and the logprobs of its tokens since the last chunk (`logprobs()`); at its end
+    finish_reason `tool_calls`, or `length` (and the fragments so far) when max_tokens cut the
+    calls short."""
     c = out.outputs[0]
     new = _delta_calls(stream.deltas(c.text))
-    if not new and not out.finished:
+    lp = logprobs()
+    if not new and lp is None and not out.finished:
         return None
     finish = tools.message(c.text, c.finish_reason)[2] if out.finished else None
-    return ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=new), finish_reason=finish,
+    return ChatChunkChoice(index=index, delta=DeltaMessage(tool_calls=new), logprobs=lp, finish_reason=finish,
                            stop_reason=c.stop_reason if out.finished else None)
 
 
@@ -284,10 +300,10 @@ def _auto_chunk(index: int, out: RequestOutput, stream: AutoStream,
                 logprobs: Callable[[], ChatLogprobs | None]) -> ChatChunkChoice | None:
     """A streamed choice under tool_choice "auto": content once the text cannot open a calls
     object, call deltas once it has (`AutoStream`); logprobs (`logprobs()`: the tokens' since
-    the last content) ride with the content."""
+    the last chunk) ride with either once the text has decided, every token's once."""
     c = out.outputs[0]
     content, deltas, finish = stream.step(c.text, c.finish_reason if out.finished else None)
-    lp = logprobs() if stream.mode == "content" else None
+    lp = logprobs() if stream.mode != "held" else None
     if not content and not deltas and lp is None and not out.finished:
         return None
     return ChatChunkChoice(index=index, delta=DeltaMessage(content=content or None, tool_calls=_delta_calls(deltas)),
@@ -386,13 +402,15 @@ class OpenAIServing:
         for group in list(self.open_streams):
             group.stop()
 
-    def usage(self, finals: list[RequestOutput | None], n: int, predicted: bool = False) -> UsageInfo:
-        """Prompt tokens count once per prompt (its first choice), completion tokens per choice;
-        with a prediction, its draft tokens accepted and rejected."""
+    def usage(self, finals: list[RequestOutput | None], n: int, predicted: bool = False,
+              score_only: bool = False) -> UsageInfo:
+        """Prompt tokens count once per prompt (its first choice), completion tokens per choice
+        (none where the prompt is only scored: the token generated then is not returned); with a
+        prediction, its draft tokens accepted and rejected."""
         firsts = [finals[i] for i in range(0, len(finals), n)]
         prompt = sum(len(f.prompt_token_ids) for f in firsts if f is not None)
         cached = sum(f.num_cached_tokens for f in firsts if f is not None)
-        completion = sum(len(f.outputs[0].token_ids) for f in finals if f is not None)
+        completion = 0 if score_only else sum(len(f.outputs[0].token_ids) for f in finals if f is not None)
         details = None
         if predicted:
             ms = [f.metrics for f in finals if f is not None and f.metrics is not None]
@@ -406,7 +424,13 @@ class OpenAIServing:
     # -- completions --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> CompletionResponse | Response:
         self.check_model(body.model)
+        _check_stream_options(body)
         prompts = _prompt_list(body.prompt)
+        limit = self.ae.max_waiting
+        if limit is not None and len(prompts) > limit:   # a 429 would never clear: the batch waits at once
+            raise ApiError(400, f"prompt is a batch of {len(prompts)} prompts; this server's waiting queue takes "
+                           f"at most {limit} at once (--max-waiting): send smaller batches", param="prompt",
+                           code="invalid_value")
         score_only = body.max_tokens == 0
         if score_only and not body.echo:
             raise ApiError(400, "max_tokens 0 returns nothing without echo", param="max_tokens", code="invalid_value")
@@ -433,7 +457,7 @@ class OpenAIServing:
             events = self._completion_events(group, body, rid, created, echoes, include_usage, score_only)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
-        usage, per, extension = self.usage(finals, body.n, body.prediction is not None), body.n, None
+        usage, per, extension = self.usage(finals, body.n, body.prediction is not None, score_only), body.n, None
         if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
             (finals, extension), per = plan.aggregate(group.prompt_choices()), 1
         choices, as_ids = [], body.return_tokens_as_token_ids
@@ -445,7 +469,7 @@ class OpenAIServing:
             if body.logprobs is not None:
                 lp = completion_logprobs(lps, ids, body.logprobs, offset=len(echo), as_ids=as_ids)
                 if body.echo:
-                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode, as_ids)
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, echo, self.ae.tokenizer.decode, as_ids)
             choices.append(CompletionChoice(index=index, text=echo + text, logprobs=lp,
                                             prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids),
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -459,7 +483,7 @@ class OpenAIServing:
                       dump: Callable[[list, UsageInfo | None], dict[str, Any]],
                       choice_of: Callable[[int, RequestOutput], Any],
                       opening: Sequence[list] = (), predicted: bool = False,
-                      plain: PlainChunks | None = None) -> AsyncIterator[str]:
+                      plain: PlainChunks | None = None, score_only: bool = False) -> AsyncIterator[str]:
         """The one SSE loop of both endpoints: `opening` chunks first, then per output of the
         group the chunk choice `choice_of(index, output)` builds (None: nothing to send yet),
         the usage chunk when asked (`include_usage` from `_usage_mode`; "continuous": every
@@ -488,9 +512,9 @@ class OpenAIServing:
                     finals[index] = out
                 choice = choice_of(index, out)
                 if choice is not None:
-                    yield chunk([choice], _choice_usage(out) if include_usage == CONTINUOUS_USAGE else None)
+                    yield chunk([choice], _choice_usage(out, score_only) if include_usage == CONTINUOUS_USAGE else None)
             if include_usage:
-                yield chunk([], self.usage(finals, n, predicted))
+                yield chunk([], self.usage(finals, n, predicted, score_only))
             yield DONE
         except ClientDisconnected:
             return
@@ -504,7 +528,9 @@ class OpenAIServing:
                            echoes: list[str] | None, include_usage: str | None,
                            score_only: bool) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
-        chars_sent = [0] * group.size
+        # the offset of each choice's next token: its echo, then every token's text (as the
+        # answer without streaming counts them, not the text sent, which a stop string holds back)
+        offsets = [0] * group.size
         echo_pending = [bool(echoes)] * group.size
         as_ids = body.return_tokens_as_token_ids
 
@@ -520,14 +546,14 @@ class OpenAIServing:
             new_ids = [] if score_only else c.token_ids[tokens_sent[index]:]
             lp = None
             if body.logprobs is not None and (new_ids or (first and body.echo)):
-                lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs,
-                                         offset=chars_sent[index] + len(prefix), as_ids=as_ids)
+                new_lps, start = (c.logprobs or [])[tokens_sent[index]:], offsets[index] + len(prefix)
+                lp = completion_logprobs(new_lps, new_ids, body.logprobs, offset=start, as_ids=as_ids)
+                offsets[index] = start + text_length(new_lps, new_ids)
                 if first and body.echo:
-                    lp = _with_prompt_logprobs(out, body.logprobs, lp, self.ae.tokenizer.decode, as_ids)
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, prefix, self.ae.tokenizer.decode, as_ids)
             tokens_sent[index] = len(c.token_ids)
             if not text and lp is None and not out.finished:
                 return None
-            chars_sent[index] += len(text)
             echo_pending[index] = False
             return CompletionChoice(index=index, text=text, logprobs=lp,
                                     prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids)
@@ -540,11 +566,12 @@ class OpenAIServing:
             plain = PlainChunks({"id": rid, "object": "text_completion", "created": created, "model": self.model},
                                 "text", usage_null=include_usage == FINAL_USAGE)
         return self._stream(group, body.n, include_usage, dump, choice_of, predicted=body.prediction is not None,
-                            plain=plain)
+                            plain=plain, score_only=score_only)
 
     # -- chat completions ----------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
         self.check_model(body.model)
+        _check_stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if body.max_completion_tokens is not None:
@@ -558,7 +585,7 @@ class OpenAIServing:
             if params.structured_outputs is not None:
                 raise ApiError(400, "a forced tool call (tool_choice required or named) cannot be combined with "
                                "response_format or structured_outputs", param="tool_choice", code="invalid_value")
-            params = params.clone(structured_outputs=StructuredOutputsParams(json=schema))
+            params = params.clone(structured_outputs=StructuredOutputsParams(json=schema, source="tools"))
         prompt = self._chat_prompt(body, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         plan = plan_loom(body.loom, body.stream)
@@ -622,7 +649,7 @@ class OpenAIServing:
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]
             if calls is not None:   # forced calls: id and name, then the arguments' fragments
-                return _call_chunk(index, out, tools, calls[index])
+                return _call_chunk(index, out, tools, calls[index], lambda: logprobs_of(index, c))
             if autos is not None:   # auto: content, or the calls once the text opens them
                 return _auto_chunk(index, out, autos[index], lambda: logprobs_of(index, c))
             lp = logprobs_of(index, c)

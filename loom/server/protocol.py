@@ -14,9 +14,9 @@ additions.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, model_validator
 
 from loom.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -54,6 +54,36 @@ IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        """An explicit null asks for nothing: an optional field that does not take null gets its
+        default, and an unknown field sent as null is dropped rather than refused. The OpenAI
+        client sends null for an argument given as None (`n=None`, `stream=None`), and vLLM
+        reads it as omitted."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            keep = _null_keys(cls)
+            return {k: v for k, v in data.items() if v is not None or k in keep}
+        return data
+
+
+_NULL_KEYS: dict[type, frozenset[str]] = {}
+
+
+def _null_keys(cls: type[BaseModel]) -> frozenset[str]:
+    """The keys of `cls` whose null is validated as given: fields that take null, and required
+    fields (whose null is an error naming them)."""
+    keys = _NULL_KEYS.get(cls)
+    if keys is None:
+        keys = frozenset(info.alias or name for name, info in cls.model_fields.items()
+                         if info.is_required() or _takes_null(info.annotation))
+        _NULL_KEYS[cls] = keys
+    return keys
+
+
+def _takes_null(annotation: Any) -> bool:
+    return annotation is None or annotation is type(None) or type(None) in get_args(annotation)
 
 
 class _Response(BaseModel):
@@ -398,7 +428,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools. required / a named function force a call (by a grammar).")
-    parallel_tool_calls: bool | None = Field(None, description="Default true: a turn may make several calls.")
+    parallel_tool_calls: bool | None = Field(None, description="Default true (with a named tool_choice: false): a "
+                                                            "turn may make several calls.")
 
 
 class TopLogprob(_Response):

@@ -46,7 +46,7 @@ class StructuredOutputs:
             try:
                 compiled = self.backend.compile(spec)
             except ValueError as e:
-                raise InvalidRequestError(f"structured_outputs.{spec.kind} does not compile: {e}") from None
+                raise InvalidRequestError(f"{spec.field_name} does not compile: {e}") from None
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
