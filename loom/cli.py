@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ err = Console(stderr=True)
 
 
 class _LoomGroup(TyperGroup):
-    """Turns LoomErrors from any command into a one-line message and exit status 1."""
+    """Turns LoomErrors from any command into a one-line message and exit status 1, and Ctrl-C
+    into a one-line "interrupted" and status 130. The interrupt is caught here: typer turns a
+    KeyboardInterrupt that reaches it into a silent exit 130."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -36,6 +39,9 @@ class _LoomGroup(TyperGroup):
         except LoomError as e:
             err.print(f"[bold red]error:[/bold red] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("[red]interrupted[/red]")
+            raise typer.Exit(130) from None
 
 
 app = typer.Typer(
@@ -494,13 +500,26 @@ def generate(
     else:
         request = prompt
     engine.add_request(request, params)
-    stream = sys.stdout
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            delta = output.outputs[0].delta_text
-            if delta:
-                stream.write(delta)
-                stream.flush()
+    _stream(engine, sys.stdout)
+
+
+def _stream(engine, stream) -> None:
+    """Writes each text delta of the engine's request as it comes, then a newline; Ctrl-C still
+    ends a partial output with its newline (the shell prompt and the message start a line)."""
+    streamed = False
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                delta = output.outputs[0].delta_text
+                if delta:
+                    stream.write(delta)
+                    stream.flush()
+                    streamed = True
+    except KeyboardInterrupt:
+        if streamed:
+            stream.write("\n")
+            stream.flush()
+        raise
     stream.write("\n")
     stream.flush()
 
@@ -536,11 +555,14 @@ def eval_(
     run (as llama-perplexity --kl-divergence does)."""
     from rich.progress import Progress
 
+    _check_eval_outputs(json_path, plot, kld or base is not None)
     from loom import eval as ev
     from loom.eval import report
 
     text = _read_text(file)
-    tokenizer = ev.sources.tokenizer_for(model)
+    tokenizer, limit = ev.sources.tokenizer_for(model)
+    if limit is not None and context > limit:
+        raise LoomError(f"--context {context} is longer than the model's context length of {limit} tokens")
     ids = tokenizer.encode(text, add_special_tokens=False)
     bos = tokenizer.bos_token_id if tokenizer.add_bos else None
     windows = ev.Windows.build(ids, context, stride, bos, chunks)
@@ -577,9 +599,28 @@ def eval_(
     if json_path is not None:
         json_path.write_text(json.dumps(summary, indent=1))
     if plot is not None:
-        if result.kld is None:
-            raise typer.BadParameter("a KLD histogram needs --kld or --base", param_hint="--plot")
         report.plot_kld(result, plot)
+
+
+def _check_eval_outputs(json_path: Path | None, plot: Path | None, has_reference: bool) -> None:
+    """Refuses the output options that would fail only after the whole run."""
+    if plot is not None and not has_reference:
+        raise LoomError("--plot: a KLD histogram needs --kld or --base")
+    for path, flag in ((json_path, "--json"), (plot, "--plot")):
+        if path is not None:
+            _check_writable(path, flag)
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """A file the command can create or overwrite at `path`, checked without creating it."""
+    where = f"{flag} {path}"
+    if path.is_dir():
+        raise LoomError(f"{where}: is a directory, not a file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise LoomError(f"{where}: no such directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise LoomError(f"{where}: permission denied")
 
 
 def _read_text(path: Path) -> str:
@@ -595,12 +636,8 @@ def _read_text(path: Path) -> str:
 
 
 def main() -> None:
-    """Entry point of the ``loom`` script."""
-    try:
-        app(prog_name="loom")
-    except KeyboardInterrupt:
-        err.print("[red]interrupted[/red]")
-        sys.exit(130)
+    """Entry point of the ``loom`` script (Ctrl-C: see _LoomGroup)."""
+    app(prog_name="loom")
 
 
 if __name__ == "__main__":

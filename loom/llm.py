@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loom.config import EngineConfig
@@ -96,11 +97,23 @@ class LLM:
         return sp
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Steps the engine until the call's requests are done. On any exception (Ctrl-C
+        included) it aborts them first: left in the engine, they would run to the end inside
+        the next call."""
+        try:
+            return self._wait_for(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+
+    def _wait_for(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         gather = FinalOutputs()
         show = use_tqdm and len(ids) >= PROGRESS_MIN_PROMPTS
+        # on stderr, as vLLM's tqdm: stdout stays the program's own output when redirected
         with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      disable=not show, transient=True) as bar:
+                      console=Console(stderr=True), disable=not show, transient=True) as bar:
             task = bar.add_task("gen", total=len(ids))
             while self.engine.has_unfinished_requests():
                 for out in gather.add_all(self.engine.step()):

@@ -173,7 +173,7 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string in the returned text.
     ignore_eos: keep generating past the end-of-sequence token.
     max_tokens: most tokens to generate, >= 1; None runs to the context limit.
-    min_tokens: stop strings, stop ids and EOS are not sampled before this many tokens.
+    min_tokens: stop ids and EOS are not sampled, and stop strings end nothing, before this many tokens.
     logprobs: None returns no logprobs; k >= 0 returns the chosen token's logprob and
         the k most probable alternatives (at most 20).
     skip_special_tokens: leave special tokens out of the detokenized text.

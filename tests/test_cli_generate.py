@@ -139,6 +139,31 @@ def test_generate_refuses_a_missing_datastore_or_an_unknown_option_in_one_line(t
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.stderr, res.stderr
 
 
+def test_ctrl_c_during_generate_ends_the_line_and_says_interrupted(tmp_path):
+    """A real SIGINT while text streams: the partial output still ends with its newline, stderr
+    holds one "interrupted" line, the status is 130 (typer alone exits 130 silently)."""
+    import signal
+
+    import tiny_gguf
+
+    model = tiny_gguf.write_tiny_llama(tmp_path / "long.gguf", context=1 << 16)   # far more than it streams here
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "generate", "-m", str(model), "Once upon a time", "--max-tokens", "60000",
+         "--ignore-eos", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        # a runner that ignores SIGINT (a background job) would pass that on to the command
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = proc.stdout.read(1)     # text is streaming
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert first and (first + rest).endswith(b"\n")
+    assert err.decode().strip() == "interrupted"
+
+
 @pytest.mark.real_model
 def test_generate_chat_on_smollm2(real_models):
     res = loom_cli("generate", "-m", "smollm2-135m", "What is the capital of France?", "--chat",

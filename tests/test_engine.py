@@ -433,6 +433,45 @@ def test_llm_generate_adds_all_or_nothing(tiny_parts, make_tiny):
     assert llm.engine.kv.usage() == 0.0
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_llm_generate_aborts_its_requests_on_any_exception(make_tiny, monkeypatch, error):
+    """Ctrl-C (or any error) inside generate leaves nothing running: the next call runs only
+    its own requests, as a fresh engine would."""
+    from loom.llm import LLM
+
+    llm = LLM.from_engine(make_tiny())
+    step, steps, failed = llm.engine.step, [], []
+
+    def failing_step():    # the fourth step of the first call fails
+        steps.append(1)
+        if len(steps) == 4 and not failed:
+            failed.append(error)
+            raise error("stopped")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(error):
+        llm.generate(["one", "two"], SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage() == 0.0
+    steps.clear()
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    [out] = llm.generate("three", params, use_tqdm=False)
+    assert len(steps) <= 3    # a prefill and two decodes, no leftover work
+    fresh = LLM.from_engine(make_tiny()).generate("three", params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_llm_progress_bar_leaves_stdout_alone(make_tiny, capfd):
+    """The progress bar (8+ prompts) draws on stderr, as vLLM's tqdm: redirected stdout holds
+    only what the program prints."""
+    from loom.llm import LLM, PROGRESS_MIN_PROMPTS
+
+    llm = LLM.from_engine(make_tiny())
+    outs = llm.generate([f"prompt {i}" for i in range(PROGRESS_MIN_PROMPTS)], SamplingParams(max_tokens=2))
+    assert len(outs) == PROGRESS_MIN_PROMPTS
+    assert capfd.readouterr().out == ""
+
+
 def test_prompt_near_the_context_limit_is_cut_by_length(make_tiny):
     engine = make_tiny()
     n = engine.max_model_len - 5
@@ -603,7 +642,9 @@ def test_stop_token_ids_and_max_tokens(make_tiny):
     assert out.token_ids == base[:k] and out.finish_reason == "length" and out.stop_reason is None
 
 
-def test_eos_stops_unless_ignored(make_tiny):
+def _first_eos(make_tiny) -> tuple[list[int], SamplingParams, list[int], int]:
+    """(prompt, params, tokens, k): a seeded request whose tokens (with ignore_eos) hold an end
+    token at index k, with no end token before it."""
     engine = make_tiny()
     tok = engine.tokenizer
     eos = tok.stop_token_ids
@@ -616,8 +657,66 @@ def test_eos_stops_unless_ignored(make_tiny):
     seed, k = next((s, i) for s in range(16) for i, t in enumerate(final[str(s)].outputs[0].token_ids) if t in eos)
     base = final[str(seed)].outputs[0].token_ids
     assert len(base) == 64 and final[str(seed)].outputs[0].finish_reason == "length"
-    out = run_alone(make_tiny, prompt, sps[seed].clone(ignore_eos=False)).outputs[0]
+    return prompt, sps[seed], base, k
+
+
+def test_eos_stops_unless_ignored(make_tiny):
+    prompt, sp, base, k = _first_eos(make_tiny)
+    out = run_alone(make_tiny, prompt, sp.clone(ignore_eos=False)).outputs[0]
     assert out.token_ids == base[:k + 1] and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def _text_and_deltas(make_tiny, prompt: list[int], params: SamplingParams):
+    """The final output of one request and the concatenation of its streamed deltas."""
+    engine = make_tiny()
+    engine.add_request({"prompt_token_ids": prompt}, params, request_id="r")
+    final, steps = drain(engine)
+    return final["r"].outputs[0], "".join(o.outputs[0].delta_text for outs in steps for o in outs)
+
+
+def test_the_eos_token_adds_no_text_even_with_special_tokens_kept(make_tiny):
+    """vLLM v1: the end token stays in token_ids, but its text ("<|im_end|>" when special tokens
+    are kept) is in neither the text nor a delta, unless include_stop_str_in_output."""
+    prompt, sp, base, k = _first_eos(make_tiny)
+    tok = make_tiny().tokenizer
+    eos_text = tok.decode([base[k]], False)
+    assert eos_text
+    for include in (False, True):
+        params = sp.clone(ignore_eos=False, skip_special_tokens=False, include_stop_str_in_output=include)
+        out, streamed = _text_and_deltas(make_tiny, prompt, params)
+        want = tok.decode(base[:k + 1] if include else base[:k], False)
+        assert out.token_ids == base[:k + 1] and out.finish_reason == "stop"
+        assert out.text == streamed == want
+        assert out.text.endswith(eos_text) == include
+
+
+def test_a_stop_token_adds_no_text_unless_include_stop_str(make_tiny):
+    tok = make_tiny().tokenizer
+    base, sp = _seeded_tokens(make_tiny, tok, seed=11)
+    k = next(i for i in range(4, len(base)) if base[i] not in base[:i] and tok.decode([base[i]]).strip())
+    for include in (False, True):
+        params = sp.clone(stop_token_ids=[base[k]], include_stop_str_in_output=include)
+        out, streamed = _text_and_deltas(make_tiny, text_prompt(tok, 10), params)
+        assert out.token_ids == base[:k + 1] and out.stop_reason == base[k]
+        assert out.text == streamed == tok.decode(base[:k + 1] if include else base[:k])
+
+
+def test_min_tokens_holds_back_stop_strings(make_tiny):
+    """A stop string ends the output only at a match that ends after the first min_tokens
+    tokens' text (vLLM checks stop strings from the min_tokens + 1-th token on)."""
+    tok = make_tiny().tokenizer
+    base, sp = _seeded_tokens(make_tiny, tok, seed=7)
+    m = 8
+    head, rest = tok.decode(base[:m]), tok.decode(base)[len(tok.decode(base[:m])):]
+    stop = next(ch for ch in head if ch.isascii() and ch.isalnum() and ch in rest)
+    early, _ = _text_and_deltas(make_tiny, text_prompt(tok, 10), sp.clone(stop=[stop]))
+    assert len(early.token_ids) <= m        # without min_tokens: the match inside the head ends it
+    out, streamed = _text_and_deltas(make_tiny, text_prompt(tok, 10), sp.clone(stop=[stop], min_tokens=m))
+    end = len(head) + rest.index(stop)
+    t = next(i for i in range(m + 1, len(base) + 1) if len(tok.decode(base[:i])) > end)
+    assert out.stop_reason == stop and out.finish_reason == "stop"
+    assert out.token_ids == base[:t] and len(out.token_ids) > m
+    assert out.text == streamed == tok.decode(base)[:end]
 
 
 def test_greedy_steps_that_keep_no_logits_decode_as_steps_that_keep_them(tiny_parts, monkeypatch):
@@ -800,9 +899,11 @@ def test_logprobs_match_a_full_softmax_of_the_model(make_tiny, tiny_parts):
             assert entry[tok_id].logprob == pytest.approx(row[tok_id].item(), abs=1e-4)
             total += entry[tok_id].logprob
             top = row.topk(sp.logprobs)
-            alternatives = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            # the sampled token has its rank wherever it is (as in vLLM): 1 + the tokens above it
+            assert entry[tok_id].rank == int((row > row[tok_id]).sum()) + 1
+            alternatives = sorted((lp for lp in entry.values() if lp.rank <= sp.logprobs), key=lambda lp: lp.rank)
             assert [lp.rank for lp in alternatives] == list(range(1, sp.logprobs + 1))
-            ranked_ids = [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 99) if lp.rank]
+            ranked_ids = [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if lp.rank <= sp.logprobs]
             assert ranked_ids == top.indices.tolist()
             values = [lp.logprob for lp in alternatives]
             assert values == sorted(values, reverse=True)
@@ -865,7 +966,8 @@ def test_prefix_cached_conversations_produce_what_they_produce_alone(make_tiny):
 
 def test_stream_with_stop_strings_matches_a_reference_on_random_text(tiny_parts):
     """OutputState alone, fed one token at a time: the deltas always add up to the text before the
-    first stop string to complete (plus it, with include_stop_str_in_output), never more."""
+    first stop string to complete after the first min_tokens tokens' text (plus it, with
+    include_stop_str_in_output), never more."""
     from loom.engine.detokenize import OutputState
 
     _, _, tok = tiny_parts
@@ -880,8 +982,9 @@ def test_stream_with_stop_strings_matches_a_reference_on_random_text(tiny_parts)
             a = rng.randrange(len(text))
             stops.append(text[a:a + rng.randint(1, 6)] if rng.random() < 0.7 else rng.choice(["ab", "c", " a"]))
         include = rng.random() < 0.5
-        req = Request("r", [5], SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=len(ids)),
-                      len(ids))
+        min_tokens = rng.randint(0, len(ids)) if rng.random() < 0.5 else 0
+        req = Request("r", [5], SamplingParams(stop=stops, include_stop_str_in_output=include, max_tokens=len(ids),
+                                               min_tokens=min_tokens), len(ids))
         state, streamed = OutputState(req, tok), ""
         for t, tid in enumerate(ids):
             req.append_token(tid)
@@ -892,9 +995,10 @@ def test_stream_with_stop_strings_matches_a_reference_on_random_text(tiny_parts)
             if out.finished:
                 break
         want, reason = text, None
-        for t in range(len(ids)):
+        after = len(tok.decode(ids[:min_tokens]))    # a match must end past the first min_tokens tokens' text
+        for t in range(min_tokens, len(ids)):
             prefix = tok.decode(ids[:t + 1])
-            hits = [(prefix.find(s), s) for s in stops if s in prefix]
+            hits = [(i, s) for s in stops if (i := prefix.find(s, max(0, after - len(s) + 1))) >= 0]
             if hits:
                 i, s = min(hits)
                 want, reason = prefix[:i + (len(s) if include else 0)], s

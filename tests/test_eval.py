@@ -139,6 +139,43 @@ def test_cli_eval_errors_are_one_line(tiny_llama_path, tmp_path, content, messag
     assert message in r.output and r.output.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--json", "{tmp}/missing/eval.json"], "--json {tmp}/missing/eval.json: no such directory"),
+    (["--json", "{tmp}"], "--json {tmp}: is a directory"),
+    (["--kld", "--plot", "{tmp}/missing/kld.png"], "--plot {tmp}/missing/kld.png: no such directory"),
+    (["--plot", "{tmp}/kld.png"], "--plot: a KLD histogram needs --kld or --base"),
+    (["--context", "600"], "--context 600 is longer than the model's context length of 512 tokens"),
+])
+def test_cli_eval_refuses_bad_outputs_and_context_before_the_model_loads(tiny_llama_path, tmp_path, monkeypatch,
+                                                                          args, message):
+    """Options that would fail only at the end of the run (or past the model's context) are one
+    line before any model loads."""
+    import loom.eval
+
+    opened = []
+    monkeypatch.setattr(loom.eval, "open_source", lambda *a, **k: opened.append(a))
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args = [a.format(tmp=tmp_path) for a in args]
+    r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32", *args])
+    assert r.exit_code == 1, r.output
+    assert message.format(tmp=tmp_path) in r.output and r.output.strip().count("\n") == 0, r.output
+    assert opened == [] and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
+def test_cli_eval_ctrl_c_is_one_line_and_status_130(tiny_llama_path, tmp_path, monkeypatch):
+    import loom.eval
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loom.eval, "evaluate", interrupted)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32"])
+    assert r.exit_code == 130 and r.output.strip() == "interrupted"
+
+
 # -- lm-eval against `loom serve` -------------------------------------------------------------------
 
 

@@ -516,6 +516,22 @@ def test_logprobs_are_of_raw_logits():
     torch.testing.assert_close(raw.exp().sum(dim=1), torch.ones(5))
 
 
+def test_sampled_token_rank_counts_the_tokens_above_it():
+    """vLLM gives the sampled token's rank even outside the top k: 1 + the tokens with a higher
+    logprob; rows that asked for no logprobs get none."""
+    logits = random_logits(6, seed=11)
+    params = [SamplingParams(temperature=5.0, seed=s, logprobs=k) for s, k in enumerate((0, 2, 0, 1, 3))]
+    params.append(SamplingParams(temperature=5.0, seed=9))
+    out = sample(logits, params)
+    raw = logits.log_softmax(dim=1)
+    want = [int((raw[i] > raw[i, t]).sum()) + 1 for i, t in enumerate(out.token_ids.tolist())]
+    assert out.ranks.tolist()[:5] == want[:5] and out.ranks[5] == 0
+    assert max(want[:5]) > 3    # hot sampling: ranks far outside the top k
+    greedy = sample(logits, [SamplingParams(temperature=0.0, logprobs=0)] * 6)
+    assert greedy.ranks.tolist() == [1] * 6
+    assert sample(logits, [SamplingParams(temperature=5.0, seed=1)] * 6).ranks is None
+
+
 def test_draw_by_inversion_edges():
     from loom.sample.sampler import draw
 

@@ -4,6 +4,11 @@ Stop strings are never split across stream chunks: text that could still be the 
 of a stop string is held back until the next tokens decide it.
 
     emitted | held back (a prefix of some stop string) | <- new delta from detokenizer
+
+As in vLLM, a stop string only ends the output at a match that ends after the text of the
+first `min_tokens` tokens, and the token that ended the output (EOS or a stop_token_ids id)
+adds no text unless include_stop_str_in_output: its id stays in token_ids, but a client
+streaming deltas never sees "<|im_end|>" or the stop id's "\n".
 """
 
 from __future__ import annotations
@@ -29,16 +34,20 @@ class OutputState:
         self.num_tokens_seen = 0
         self.num_tokens_emitted = 0
         self.stopped_by_string = False
+        # where (in text + pending) a stop string may end at the earliest: after the text of
+        # the first min_tokens tokens
+        self.stop_from = 0
 
     def process(self) -> RequestOutput:
         """Consumes the request's new tokens; returns its output with the deltas since the last call.
         Sets `stopped_by_string` when a stop string ended it (the caller finishes the request)."""
         req = self.req
         new_ids = req.output_token_ids[self.num_tokens_seen:]
+        text_ids = new_ids[:-1] if new_ids and self._ended_by_stop_token() else new_ids
         if self.stops and not self.stopped_by_string:
-            self._add_until_stop(new_ids)
+            self._add_until_stop(new_ids, len(text_ids))
         else:
-            self.pending += self.detok.add(new_ids)
+            self.pending += self.detok.add(text_ids)
         self.num_tokens_seen = len(req.output_token_ids)
         if req.status.finished:
             self.pending += self.detok.flush()
@@ -50,11 +59,24 @@ class OutputState:
         self.num_tokens_emitted = len(req.output_token_ids)
         return self._output(delta, delta_ids)
 
-    def _add_until_stop(self, new_ids: list[int]) -> None:
-        """Adds tokens one at a time; a stop string drops the tokens after the one that
+    def _ended_by_stop_token(self) -> bool:
+        """Whether the request's last token is the EOS or stop id that ended it and its text is
+        left out (vLLM v1: the stop token's text is kept only with include_stop_str_in_output)."""
+        req = self.req
+        return (req.status is RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
+                and not req.params.include_stop_str_in_output)
+
+    def _add_until_stop(self, new_ids: list[int], num_text: int) -> None:
+        """Adds tokens one at a time, the text of the first `num_text` only (the rest: the stop
+        token that ended the request); a stop string drops the tokens after the one that
         completed it (a speculative step may have appended several at once)."""
+        min_tokens = self.req.params.min_tokens
         for i, tok in enumerate(new_ids):
-            self.pending += self.detok.add([tok])
+            if i < num_text:
+                self.pending += self.detok.add([tok])
+            if self.num_tokens_seen + i + 1 <= min_tokens:
+                self.stop_from = len(self.text) + len(self.pending)
+                continue
             self._check_stops()
             if self.stopped_by_string:
                 extra = len(new_ids) - i - 1
@@ -65,8 +87,10 @@ class OutputState:
 
     def _check_stops(self) -> None:
         # Emitted text never holds the start of a stop string (it is held back), so a
-        # match can only begin inside `pending`.
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        # match can only begin inside `pending`; one that ends within the first min_tokens
+        # tokens' text does not count.
+        start = self.stop_from - len(self.text)
+        hits = [(i, s) for s in self.stops if (i := self.pending.find(s, max(0, start - len(s) + 1))) >= 0]
         if not hits:
             return
         i, s = min(hits)
@@ -123,5 +147,5 @@ class OutputState:
             for rank, (tid, lp) in enumerate(e.top, start=1):
                 d[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
             if tok not in d:
-                d = {tok: Logprob(e.logprob, None, self.tokenizer.decode([tok])), **d}
+                d = {tok: Logprob(e.logprob, e.rank, self.tokenizer.decode([tok])), **d}
             self.req.logprobs.append(d)

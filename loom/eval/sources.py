@@ -223,6 +223,9 @@ def open_source(name: str, **options) -> LogprobSource:
     return SOURCES[name](**options)
 
 
-def tokenizer_for(model: str) -> Tokenizer:
-    """The model's tokenizer (raises ModelLoadError for a bad path or file)."""
-    return Tokenizer.from_gguf(GGUFFile.open(resolve_model(model)))
+def tokenizer_for(model: str) -> tuple[Tokenizer, int | None]:
+    """The model's tokenizer and context length (None where its GGUF names none), read before
+    its weights load (raises ModelLoadError for a bad path or file)."""
+    gguf = GGUFFile.open(resolve_model(model))
+    context = int(gguf.get(f"{gguf.architecture}.context_length", 0) or 0) or None
+    return Tokenizer.from_gguf(gguf), context

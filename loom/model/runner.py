@@ -331,7 +331,8 @@ class ModelRunner:
             k = st.params.logprobs
             if k is not None and res.logprobs is not None:
                 top = list(zip(res.top_token_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()))
-                logprobs[rid] = [TokenLogprobs(float(res.logprobs[i]), top)]
+                rank = int(res.ranks[i]) if res.ranks is not None else None
+                logprobs[rid] = [TokenLogprobs(float(res.logprobs[i]), top, rank)]
         return RunnerOutput(sampled, logprobs, dead_ends=dead)
 
 

@@ -216,6 +216,9 @@ class SamplerOutput:
     logprobs: torch.Tensor | None        # [S] float32, of the sampled token
     top_logprobs: torch.Tensor | None    # [S, K] float32, K = max_num_logprobs
     top_token_ids: torch.Tensor | None   # [S, K] int64
+    # [S] the sampled token's rank: 1 + the number of tokens with a higher logprob (vLLM gives
+    # it even when the token is outside the top K); 0 where the row did not ask
+    ranks: torch.Tensor | None = None
 
 
 def request_generator(params: SamplingParams) -> torch.Generator | None:
@@ -570,15 +573,18 @@ class Sampler:
         return torch.index_select(logits, 0, rows, out=self._raw[:shape[0]])
 
     def _logprobs(self, raw: torch.Tensor, lp_rows: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
-        """The logprobs of the rows `lp_rows` that asked (raw logits `raw`): NaN and -1 elsewhere."""
+        """The logprobs and ranks of the rows `lp_rows` that asked (raw logits `raw`): NaN, -1 and
+        0 elsewhere."""
         rows = token_ids.shape[0]
         chosen = torch.full((rows,), float("nan"))
         top_lp = torch.full((rows, k), float("nan"))
         top_ids = torch.full((rows, k), -1, dtype=torch.int64)
-        chosen[lp_rows], _, ids, values = self.token_logprobs(raw, token_ids[lp_rows], k)
+        ranks = torch.zeros(rows, dtype=torch.int64)
+        chosen[lp_rows], asked_ranks, ids, values = self.token_logprobs(raw, token_ids[lp_rows], k, ranks=True)
+        ranks[lp_rows] = torch.tensor(asked_ranks, dtype=torch.int64)
         if k > 0:
             top_lp[lp_rows], top_ids[lp_rows] = values, ids
-        return SamplerOutput(token_ids, chosen, top_lp, top_ids)
+        return SamplerOutput(token_ids, chosen, top_lp, top_ids, ranks)
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = False):
         """Log-softmax of raw `logits` [r, V] at `targets` [r], the targets' ranks (a list, when
@@ -594,9 +600,3 @@ class Sampler:
         chosen = lp.gather(1, targets.unsqueeze(1))
         values, ids = lp.topk(k, dim=1) if k else (lp[:, :0], lp[:, :0].long())
         return chosen.squeeze(1), ((lp > chosen).sum(dim=1) + 1).tolist() if ranks else None, ids, values
-        lp = raw.log_softmax(dim=1)
-        chosen[lp_rows] = lp.gather(1, picked).squeeze(1)
-        if k > 0:
-            top = lp.topk(k, dim=1)
-            top_lp[lp_rows], top_ids[lp_rows] = top.values, top.indices
-        return SamplerOutput(token_ids, chosen, top_lp, top_ids)
