@@ -522,7 +522,7 @@ def test_auto_tool_choice_streams_calls_as_deltas_for_each_of_n_choices(tiny_cli
 
 
 def test_forced_calls_stream_their_logprobs_and_a_named_function_is_called_once(tiny_client) -> None:
-    ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT, TIME], temperature=0,
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT], temperature=0,
                tool_choice={"type": "function", "function": {"name": "set_unit"}}, max_completion_tokens=200,
                logprobs=True, top_logprobs=2)
     whole = tiny_client.chat.completions.create(**ask).choices[0]
