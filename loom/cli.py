@@ -512,9 +512,9 @@ def _stream(engine, stream) -> None:
             for output in engine.step():
                 delta = output.outputs[0].delta_text
                 if delta:
+                    streamed = True    # before the write: Ctrl-C may land inside it
                     stream.write(delta)
                     stream.flush()
-                    streamed = True
     except KeyboardInterrupt:
         if streamed:
             stream.write("\n")
