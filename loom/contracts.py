@@ -154,22 +154,21 @@ class SpecHost:
 
     `sample` samples plain rows (one per request) and commits the tokens (its third argument:
     the rows' argmax where the output layer found it, else -1, or None; its fourth: which rows of
-    the logits are those requests', None for all); `probs` gives one
-    request's sampling distribution over several rows (rejection sampling); `request` is a
+    the logits are those requests', None for all); `draw(logits, req_id)` gives the function
+    that samples row r of one request's verification rows as a plain step would (its
+    processing, one draw of its random stream per call); `request` is a
     read-only view of a request's state (`params`, `generator`, `prompt_token_ids`,
     `output_token_ids`); `commit` appends accepted tokens to its output; `move_kv` copies
-    KV entries between cache slots (accepted draft nodes into place); `generator` draws for
-    requests without a seed of their own; `constrain` masks a constrained request's draft
+    KV entries between cache slots (accepted draft nodes into place); `constrain` masks a constrained request's draft
     verification rows by its grammar along the tree, in place, and returns which rows admit
     no token (None: the request has no grammar).
     """
 
     sample: Callable[[Any, list[str], Any, Any], RunnerOutput]
-    probs: Callable[[Any, str], Any]
+    draw: Callable[[Any, str], Callable[[int], int]]
     request: Callable[[str], Any]
     commit: Callable[[str, list[int]], None]
     move_kv: Callable[[Any, Any], None]
-    generator: Any
     constrain: Callable[[str, DraftTree, Any], "list[bool] | None"] = lambda req_id, tree, logits: None
 
 

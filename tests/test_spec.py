@@ -28,7 +28,7 @@ from loom.errors import InvalidRequestError
 from loom.model.layers.attention import tree_attention_mask
 from loom.sampling_params import SamplingParams
 from loom.speculative.controller import CostModel, SpecController
-from loom.speculative.verify import verify_greedy, verify_sampled
+from loom.speculative.verify import verify_greedy, verify_path
 
 METHODS = ["prompt_lookup", "token_recycling", "lookahead", "draft_model", "retrieval", "auto"]
 
@@ -86,8 +86,8 @@ def test_verification_takes_the_output_layers_argmax_where_it_is_known_and_valid
     greedy = SimpleNamespace(params=SimpleNamespace(is_greedy=True))
 
     def host(masked: bool) -> SpecHost:
-        return SpecHost(sample=None, probs=None, request=lambda rid: greedy, commit=None, move_kv=None,
-                        generator=None, constrain=(lambda rid, t, lg: [False] * 3) if masked else
+        return SpecHost(sample=None, draw=None, request=lambda rid: greedy, commit=None, move_kv=None,
+                        constrain=(lambda rid, t, lg: [False] * 3) if masked else
                         (lambda rid, t, lg: None))
 
     verdict = SpecDecoder._verify(None, host(False), "r", tree, logits, torch.tensor([10, 11, 7]))
@@ -431,7 +431,7 @@ def tiny_target(tiny_llama_path):
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_rejection_sampling_keeps_the_target_distribution(tiny_target, shape):
+def test_sampled_verification_keeps_the_target_distribution(tiny_target, shape):
     ctx = [5, 17, 42, 8]
     p0 = tiny_target(ctx)
     ranked = p0.argsort(descending=True).tolist()
@@ -450,8 +450,11 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_target, shape):
     first = torch.zeros_like(p0)
     after_a = torch.zeros_like(p0)
     accepted = 0
+    def pick(r: int) -> int:
+        return int(torch.multinomial(rows[r], 1, generator=gen))
+
     for _ in range(n):
-        v = verify_sampled(tree, rows, gen)
+        v = verify_path(tree, pick)
         accepted += len(v.accepted_nodes)
         first[v.tokens[0]] += 1
         if v.tokens[0] == a:
@@ -566,6 +569,27 @@ def test_sampled_outputs_follow_the_target_distribution_in_the_engine(tiny_parts
     # two-sample test: the spec counts against the pooled frequencies
     pooled = (plain + spec) / (plain + spec).sum()
     assert chi_square_p(spec, pooled) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["token_recycling", "prompt_lookup", "auto"])
+def test_a_seeded_sampled_request_gives_the_same_tokens_with_speculation_on_and_off(tiny_parts, method):
+    """Verification draws a row's token as the plain step would, one draw per token committed,
+    so however many tokens are drafted (the controller's choice, from timings) a seed's output
+    is plain decoding's."""
+    prompts = [REPEATING[0], REPEATING[1]]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=24, ignore_eos=True, seed=s)
+              for s, (t, k, p) in enumerate([(1.0, 3, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.8, 0, 1.0)])]
+    def outputs(engine: Engine) -> list[list[int]]:
+        ids = [engine.add_request({"prompt_token_ids": prompt}, p) for prompt in prompts for p in params]
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update({o.request_id: o for o in engine.step() if o.finished})
+        return [final[i].outputs[0].token_ids for i in ids]
+
+    plain = outputs(tiny_engine(tiny_parts))
+    engine = tiny_engine(tiny_parts, method_config(method))
+    assert outputs(engine) == plain
+    assert engine.runner.spec.stats.num_accepted_tokens > 0
 
 
 def sampled_pairs(engine: Engine, prompt: list[int], n: int = 200) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -109,9 +109,8 @@ class ModelRunner:
         self.states: dict[str, _ReqState] = {}
         self.spec = spec
         self.structured = structured   # compiles constraints into per-request grammar matchers
-        self.spec_host = SpecHost(sample=self._sample, probs=self._probs, request=self.states.__getitem__,
-                                  commit=self._commit, move_kv=self.kv.move_slots,
-                                  generator=self.sampler.generator, constrain=self._constrain_tree)
+        self.spec_host = SpecHost(sample=self._sample, draw=self._drawer, request=self.states.__getitem__,
+                                  commit=self._commit, move_kv=self.kv.move_slots, constrain=self._constrain_tree)
 
     @staticmethod
     def kv_bytes_per_token(cfg, kv_dtype: torch.dtype | KVFormat = torch.float32) -> int:
@@ -274,10 +273,15 @@ class ModelRunner:
         if st.matcher is not None and not st.matcher.is_terminated():
             st.matcher.accept(token)
 
-    def _probs(self, logits: torch.Tensor, req_id: str) -> torch.Tensor:
-        """One request's sampling distribution at each of `logits`' rows [R, V]."""
-        batch = self.sampling_batch([req_id] * logits.shape[0])
-        return self.sampler.distribution(logits.clone(), batch, torch.arange(logits.shape[0]))
+    def _drawer(self, logits: torch.Tensor, req_id: str) -> Callable[[int], int]:
+        """Samples row r of `logits` [R, V] for one request as its plain step does: the same
+        sampler call on that row, one draw of its random stream."""
+        batch = self.sampling_batch([req_id])
+
+        def draw(r: int) -> int:
+            return int(self.sampler(logits[r:r + 1].clone(), batch).token_ids[0])
+
+        return draw
 
     def sampling_batch(self, req_ids: list[str]) -> SamplingBatch:
         states = [self.states[r] for r in req_ids]

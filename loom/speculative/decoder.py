@@ -3,7 +3,7 @@
 After the forward pass the runner hands over the logits of every sampled sequence: one
 row, or 1 + its tree's nodes when it verified a draft. Per step:
 
-    verify     greedy match / rejection sampling per tree (loom.speculative.verify)
+    verify     plain decoding's token at each row, down the tree (loom.speculative.verify)
     compact    copy the KV of accepted nodes that sit off their depth's slot
     observe    the target's top-k per row -> drafters that learn from it
     propose    drafter: each candidate's tree at its node cap, tagged with its source
@@ -50,7 +50,7 @@ from loom.sample.sampler import argmax_rows
 from loom.speculative.calibration import Grid, calibrated, measure
 from loom.speculative.controller import CONTEXT_BUCKET, SpecController
 from loom.speculative.drafters import DRAFTERS, DraftEnv, DraftRequest, Observation
-from loom.speculative.verify import verify_greedy, verify_sampled
+from loom.speculative.verify import verify_greedy, verify_path
 
 OVERHEAD_EMA = 0.2
 OBSERVE_PLAIN_BATCH = 2                  # sequences per step that feed the drafter in a batch without drafts
@@ -304,7 +304,7 @@ class SpecDecoder:
                 best = argmax_rows(logits).tolist()
             verdict = verify_greedy(tree, best)
         else:
-            verdict = verify_sampled(tree, host.probs(logits, req_id), st.generator or host.generator)
+            verdict = verify_path(tree, host.draw(logits, req_id))
         if stuck is not None and any(stuck[r] for r in [0] + [n + 1 for n in verdict.accepted_nodes]):
             return None
         return verdict
