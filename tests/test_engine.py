@@ -472,6 +472,20 @@ def test_llm_progress_bar_leaves_stdout_alone(make_tiny, capfd):
     assert capfd.readouterr().out == ""
 
 
+def test_a_context_limit_the_model_or_cache_cannot_give_is_refused(make_tiny, caplog):
+    """As vLLM: max_model_len past the model's context, or past what the KV cache holds, is an
+    error at start-up; the model's own context cut by a small cache is said once."""
+    context = make_tiny().model.cfg.context_length
+    with pytest.raises(InvalidRequestError, match=f"longer than the model's context of {context}"):
+        make_tiny(max_model_len=context + 1)
+    with pytest.raises(InvalidRequestError, match="does not fit: the KV cache's 8 blocks hold 32 tokens"):
+        make_tiny(num_blocks=8, max_model_len=64)
+    with caplog.at_level("WARNING", logger="loom"):
+        assert make_tiny(num_blocks=8).max_model_len == 32
+    assert f"the context limit is 32 tokens, not the model's {context}" in caplog.text
+    assert make_tiny(max_model_len=48).max_model_len == 48
+
+
 def test_prompt_near_the_context_limit_is_cut_by_length(make_tiny):
     engine = make_tiny()
     n = engine.max_model_len - 5

@@ -271,6 +271,24 @@ def test_signal_stops_every_process(long_model, tmp_path, sig) -> None:
         server.stop()
 
 
+def test_sigterm_to_the_whole_process_group_is_a_quiet_stop(long_model, tmp_path) -> None:
+    """systemd's default stop (and `kill -- -PGID`) signals every process of the server at once:
+    the engine process ending with it is the expected exit, not a failure logged as an error."""
+    server = start("group-sigterm", long_model, tmp_path)
+    try:
+        kids = psutil.Process(server.process.pid).children(recursive=True)
+        assert engine_children(server)
+        for p in [psutil.Process(server.process.pid), *kids]:
+            p.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        gone, alive = psutil.wait_procs(kids, timeout=15)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        log = server.log_text()
+        assert "ERROR" not in log and not server.logged_tracebacks(), log[-2000:]
+    finally:
+        server.stop()
+
+
 def test_engine_dies_with_a_killed_front_end(long_model, tmp_path) -> None:
     server = start("orphan", long_model, tmp_path)
     try:

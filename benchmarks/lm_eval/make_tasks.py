@@ -29,6 +29,9 @@ output_type: multiple_choice
 doc_to_text: "{{{{context}}}}\\n"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: label
+# lm-eval moves the context's trailing newline into each continuation: "\\n" + the line, as the
+# play's text has it (the default " " delimiter would score a line starting with a space)
+target_delimiter: ""
 metric_list:
   - metric: acc
     aggregation: mean
@@ -37,7 +40,7 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 metadata:
-  version: 1.0
+  version: 2.0
 """
 
 GSM8K_YAML = """task: loom_gsm8k_cot
@@ -81,7 +84,7 @@ def cloze_docs(n: int, rng: random.Random) -> list[dict]:
         others = rng.sample([j for j in spoken if abs(j - i) > 10], 3)
         choices = [lines[i]] + [lines[j] for j in others]
         rng.shuffle(choices)
-        docs.append({"context": "\n".join(lines[i - 4:i]), "choices": [" " + c for c in choices],
+        docs.append({"context": "\n".join(lines[i - 4:i]), "choices": choices,
                      "label": choices.index(lines[i])})
     return docs
 

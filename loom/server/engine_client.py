@@ -8,6 +8,7 @@ The interface (what openai_api.py, choices and metrics use):
     tokenizer, model_name, max_model_len, vocab_size, error  # error: why the engine is gone
     max_waiting                                              # the engine's waiting-queue bound (None: none)
     restarts                                                 # engines started anew after one died
+    closing()                                                # the server got SIGINT/SIGTERM: an engine exit is expected
     start() / shutdown()                                     # with the app's lifespan
 
 `ProcessEngineClient` (the default of `loom serve`):
@@ -129,6 +130,8 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def closing(self) -> None: ...
+
     def stats(self) -> EngineSample: ...
 
 
@@ -157,6 +160,7 @@ class ProcessEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()       # the process being replaced vs. shutdown() from another thread
         self._stopping = False
+        self._closing = False               # the server was told to stop (the signal may reach the engine too)
         self.error: BaseException | None = None
         started = time.monotonic()
         self._spawn()
@@ -224,6 +228,13 @@ class ProcessEngineClient:
         self._loop = asyncio.get_running_loop()
         self._watch_outputs()
         self._loop.add_reader(self.process.sentinel, self._on_exit)
+
+    def closing(self) -> None:
+        """The server got SIGINT/SIGTERM and is stopping. A signal sent to the whole process
+        group (systemd's default, `kill -- -PGID`) reaches the engine process too, which may end
+        before shutdown() asks it to: that exit is then the expected one, not a failure to
+        report or an engine to replace."""
+        self._closing = True
 
     def shutdown(self) -> None:
         """Stops the engine process (politely, then by signal) and removes its sockets; the
@@ -360,6 +371,10 @@ class ProcessEngineClient:
             return
         self.process.join(0.1)
         code = self.process.exitcode
+        if self._closing:
+            log.info("the engine process (pid %s) stopped with the server (status %s)", self.process.pid, code)
+            self._fail(EngineDeadError("the server is stopping"))
+            return
         log.error("the engine process (pid %s) exited with status %s", self.process.pid, code)
         self._fail(self.error if self.error is not None
                    else EngineDeadError(f"the engine process exited (status {code})"))

@@ -39,6 +39,9 @@ class InProcessEngineClient:
     def shutdown(self) -> None:
         self.ae.shutdown()
 
+    def closing(self) -> None:
+        """Nothing to expect: the engine thread stops with shutdown()."""
+
     def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                  priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
         return self.ae.generate(prompt, params, request_id, priority, fanout=fanout)

@@ -27,6 +27,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         state = self.config.app.state
+        serving = getattr(state, "serving", None)
+        if serving is not None:
+            serving.ae.closing()
         loop = getattr(state, "loop", None)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(state.serving.stop_streams)
