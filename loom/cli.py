@@ -107,6 +107,7 @@ def bench(
                                        help="Threads for every engine (default: physical cores)."),
     peers: str | None = typer.Option(None, "--peers",
                                      help="Engines to measure, comma-separated: loom, loom:DTYPE (e.g. loom:float32), "
+                                          "loom:kv=KV or loom:DTYPE+kv=KV (a KV cache dtype, e.g. loom:kv=int8), "
                                           "transformers, llama.cpp (default: all three). Missing packages are "
                                           "reported as skipped. With --server: servers the bench starts on the "
                                           "same GGUF and load-tests in turn: loom, llama-server, vllm, and engine "

@@ -70,8 +70,8 @@ class KVEvictionParams:
             raise InvalidRequestError("kv_eviction pool applies to policy 'snapkv' only")
         window = self.window or 0
         if self.budget < self.sinks + window:
-            raise InvalidRequestError(f"kv_eviction budget ({self.budget}) is smaller than sinks ({self.sinks}) "
-                                      f"+ window ({window})")
+            raise InvalidRequestError(f"kv_eviction budget must be at least sinks + window ({self.sinks} + "
+                                      f"{window}), got {self.budget}")
 
     @property
     def enabled(self) -> bool:

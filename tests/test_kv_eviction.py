@@ -47,7 +47,7 @@ def test_params_validate_and_name_the_fields():
     s = KVEvictionParams.create({"policy": "snapkv", "budget": 512})
     assert (s.window, s.pool) == (32, 7)
     cases = [
-        ({"policy": "streaming", "budget": 64, "sinks": 8, "window": 60}, ["budget (64)", "sinks (8)", "window (60)"]),
+        ({"policy": "streaming", "budget": 64, "sinks": 8, "window": 60}, ["budget must be at least sinks + window", "(8 + 60)", "got 64"]),
         ({"policy": "h2o", "budget": 64}, ["streaming, snapkv, none", "'h2o'"]),
         ({"policy": "snapkv", "budget": 64, "bogus": 1}, ["'bogus'", "known"]),
         ({"policy": "snapkv", "budget": 64, "pool": 4}, ["pool must be odd"]),
@@ -278,7 +278,7 @@ def test_engine_default_and_bad_combinations(make_tiny):
         engine.add_request(list(range(5, 85)), greedy(4, {"policy": "none"}))
     with pytest.raises(InvalidRequestError, match="two KV blocks"):
         engine.add_request([5, 6], greedy(4, {"policy": "streaming", "budget": 4}))
-    with pytest.raises(InvalidRequestError, match=r"budget \(63\).*context limit \(64\)"):
+    with pytest.raises(InvalidRequestError, match=r"budget must leave a block of the context limit \(64\).*got 63"):
         engine.add_request([5, 6], greedy(4, {"policy": "streaming", "budget": 63}))
     rid = engine.add_request(list(range(5, 20)), greedy(8, STREAM))
     with pytest.raises(InvalidRequestError, match="kv_eviction cannot be combined with forks"):
@@ -307,7 +307,7 @@ def test_server_accepts_kv_eviction_and_refuses_bad_values(make_tiny):
         assert client.post("/v1/completions", json=body).status_code == 400          # past the context
         ok = client.post("/v1/completions", json={**body, "kv_eviction": STREAM})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 40
-        bad = [({"policy": "streaming", "budget": 16, "sinks": 8, "window": 12}, "sinks (8)"),
+        bad = [({"policy": "streaming", "budget": 16, "sinks": 8, "window": 12}, "sinks + window (8 + 12)"),
                ({"policy": "lru", "budget": 32}, "policy"),
                ({"policy": "streaming", "budget": 32, "extra": 1}, "extra")]
         for value, words in bad:

@@ -245,11 +245,11 @@ class Engine:
     def _check_budget(self, own) -> None:
         bs, limit = self.config.cache.block_size, self.max_model_len
         if own.budget < 2 * bs:
-            raise InvalidRequestError(f"kv_eviction budget ({own.budget}) must be at least two KV blocks "
-                                      f"(block_size {bs}): eviction frees whole blocks")
+            raise InvalidRequestError(f"kv_eviction budget must be at least two KV blocks ({2 * bs} tokens at "
+                                      f"block_size {bs}): eviction frees whole blocks; got {own.budget}")
         if own.budget > limit - bs:
-            raise InvalidRequestError(f"kv_eviction budget ({own.budget}) must leave a block of the context limit "
-                                      f"({limit}) free: it is the most KV one sequence may hold")
+            raise InvalidRequestError(f"kv_eviction budget must leave a block of the context limit ({limit}) "
+                                      f"free: it is the most KV one sequence may hold; got {own.budget}")
 
     # -- the fork primitive (loom.parallel builds beams and fork/join programs on it) -----
     def spawn(self, parent_id: str, specs: Sequence[ChildSpec]) -> list[str]:

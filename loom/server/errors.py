@@ -45,7 +45,9 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "bytes", "list", 
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 # SamplingParams and the engine start their messages with the field's name ("max_tokens must be
 # ...", "structured_outputs.json does not compile: ...", "prompt is 9000 tokens, ...").
-_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*) (?:must |does not |is \d|token ids must |holds |leaves )")
+# An option of an object field may follow it after a space ("kv_eviction budget must be ...").
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?: (?:policy|budget|sinks|window|pool))?) "
+                            r"(?:must |does not |is \d|token ids must |holds |leaves |cannot |is smaller )")
 
 
 class ApiError(Exception):
@@ -84,7 +86,7 @@ def api_error_from_loom(e: LoomError, path: str = "") -> ApiError:
         return ApiError(503, message, type=SERVER_ERROR, code="engine_unavailable",
                         headers={"Retry-After": str(engine_retry_after(e))})
     match = _LEADING_FIELD.match(message)
-    param = match.group(1) if match else None
+    param = match.group(1).replace(" ", ".") if match else None
     if param == "prompt" and path.endswith("/chat/completions"):
         param = "messages"
     return ApiError(400, message, param=param)
