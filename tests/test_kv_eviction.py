@@ -47,7 +47,8 @@ def test_params_validate_and_name_the_fields():
     s = KVEvictionParams.create({"policy": "snapkv", "budget": 512})
     assert (s.window, s.pool) == (32, 7)
     cases = [
-        ({"policy": "streaming", "budget": 64, "sinks": 8, "window": 60}, ["budget must be at least sinks + window", "(8 + 60)", "got 64"]),
+        ({"policy": "streaming", "budget": 64, "sinks": 8, "window": 60},
+         ["budget must be at least sinks + window", "(8 + 60)", "got 64"]),
         ({"policy": "h2o", "budget": 64}, ["streaming, snapkv, none", "'h2o'"]),
         ({"policy": "snapkv", "budget": 64, "bogus": 1}, ["'bogus'", "known"]),
         ({"policy": "snapkv", "budget": 64, "pool": 4}, ["pool must be odd"]),
