@@ -88,7 +88,7 @@ class Engine:
         self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_blocks()
         bs = config.cache.block_size
-        self.max_model_len = self._context_limit(num_blocks * bs, num_blocks)
+        self.max_model_len = self._context_limit(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.spec = self._speculative_decoder(num_blocks)
         if config.cache.kv_eviction is not None:
@@ -189,12 +189,13 @@ class Engine:
             self.outputs[rid] = OutputState(req, self.tokenizer)
         return rid
 
-    def _context_limit(self, held: int, num_blocks: int) -> int:
+    def _context_limit(self, num_blocks: int) -> int:
         """The context limit: the configured one (at most the model's context), else the model's,
-        cut to the `held` tokens the KV cache's blocks hold. A configured limit that the model or
+        cut to the tokens the KV cache's blocks hold. A configured limit that the model or
         the cache cannot give is refused (as vLLM refuses it); a model's context cut by the
         cache is said once at start-up."""
         trained, asked = self.model.cfg.context_length, self.config.scheduler.max_model_len
+        held = num_blocks * self.config.cache.block_size
         if asked is not None and asked > trained:
             raise InvalidRequestError(f"max_model_len {asked} is longer than the model's context of {trained} tokens")
         if held >= (asked or trained):
