@@ -256,6 +256,18 @@ def test_top_k_top_p_min_p_combined():
     assert len(drawn) > 1
 
 
+def test_min_p_comes_before_top_p():
+    # vLLM v1's order: min-p drops 0.1 (< 0.3 x 0.4), top-p 0.75 then takes the nucleus of what
+    # is left, [0.4, 0.3, 0.2] / 0.9: 0.444 + 0.333 reaches it, so 0.2 goes too
+    row = torch.full((1, 64), -float("inf"))
+    row[0, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    params = [SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3)]
+    want = torch.tensor([4 / 7, 3 / 7, 0.0, 0.0])
+    for got in (torch_distribution(row, params), native_distribution(row, params)):
+        assert torch.allclose(got[0, :4], want, atol=1e-6)
+        assert not got[0, 4:].any()
+
+
 def test_filters_apply_per_row():
     logits = random_logits(4, seed=5)
     params = [SamplingParams(top_k=3), SamplingParams(top_p=0.5), SamplingParams(min_p=0.3),

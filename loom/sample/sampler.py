@@ -12,8 +12,8 @@ The runner computes logits only for the positions it samples, one row per row of
    ``logit -= frequency * count + presence * (count > 0)``;
 4. greedy rows take the argmax of these logits (ties go to the lowest id);
 5. other rows divide by their temperature, then keep the top-k logits (ties with the
-   k-th are kept), then the top-p nucleus, then the tokens at least min_p times as
-   probable as the most probable one, and draw by inversion: one uniform u per row, the
+   k-th are kept), then the tokens at least min_p times as probable as the most probable
+   one, then the top-p nucleus of what is left (vLLM v1's order), and draw by inversion: one uniform u per row, the
    token where the running sum of the probabilities first exceeds u times their total
    (block sums first, then the sum inside one block; a zero-probability token is never
    picked). One random number per row instead of one per vocabulary entry: drawing 49k
@@ -376,10 +376,11 @@ def _top_p_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     return (~ok).nonzero().squeeze(1)
 
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Zero, in place, the probabilities below min_p times their row's largest."""
-    threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
-    probs.masked_fill_(probs < threshold, 0.0)
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask to -inf, in place, the logits whose probability is below min_p times their row's
+    largest: exp(logit - max) < min_p, as the kernel compares."""
+    top = logits.amax(dim=1, keepdim=True)
+    logits.masked_fill_((logits - top).exp_() < min_p.unsqueeze(1), float("-inf"))
 
 
 DRAW_BLOCK = 1024   # ids per block of the two-level running sum
@@ -510,7 +511,7 @@ class Sampler:
         return draw(self.probs(logits, batch, rows), u)
 
     def distribution(self, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-        """`probs` normalised to sum to 1 (after min-p), from the kernels where they run
+        """`probs` normalised to sum to 1 (after the filters), from the kernels where they run
         (`logits` modified in place)."""
         if self._native(logits):
             self.kernels.sample_rows(logits, *self._filters(batch, rows), torch.zeros(len(rows), dtype=torch.float64),
@@ -537,21 +538,19 @@ class Sampler:
         # NaN here; +inf is the largest finite logit and NaN none, so softmax stays a distribution
         torch.nan_to_num_(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max)
 
-        top_k, top_p = batch.top_k[rows], batch.top_p[rows]
-        if not (batch.no_top_k and batch.no_top_p):
-            k_on, p_on = top_k > 0, top_p < 1
-            if bool(p_on.any()):
-                _on_rows(logits, _rows_where(k_on | p_on), apply_top_k_top_p, top_k, top_p)
-            elif bool(k_on.any()):
-                _on_rows(logits, _rows_where(k_on), apply_top_k_top_p, top_k, None)
-
-        probs = logits.softmax(dim=1)
+        if not batch.no_top_k:
+            top_k = batch.top_k[rows]
+            if bool((on := top_k > 0).any()):
+                _on_rows(logits, _rows_where(on), apply_top_k_top_p, top_k, None)
         if not batch.no_min_p:
             min_p = batch.min_p[rows]
-            on = min_p > 0
-            if bool(on.any()):
-                _on_rows(probs, _rows_where(on), apply_min_p, min_p)
-        return probs
+            if bool((on := min_p > 0).any()):
+                _on_rows(logits, _rows_where(on), apply_min_p, min_p)
+        if not batch.no_top_p:
+            top_p = batch.top_p[rows]
+            if bool((on := top_p < 1).any()):
+                _on_rows(logits, _rows_where(on), _apply_top_p, top_p)
+        return logits.softmax(dim=1)
 
     def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
         """U[0, 1) float64 [R]: row i from generators[i], or from the shared generator."""

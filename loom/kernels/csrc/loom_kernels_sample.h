@@ -1,5 +1,5 @@
 // Sampling a row of logits: the stages of loom/sample/sampler.py's non-greedy rows (temperature,
-// top-k, top-p, min-p, one draw by inversion), in a few passes over the row where torch's ops
+// top-k, min-p, top-p, one draw by inversion), in a few passes over the row where torch's ops
 // took a dozen, each writing a fresh [R, V] tensor. Gemma 3's 262,144-entry rows made that the
 // largest cost of a sampled decode step, and top-p's full sort of every row far more than the
 // step itself. Here top-p sorts only the entries near the nucleus' end (nucleus_end).
@@ -8,11 +8,12 @@
 //   scale    y = x / T in place, NaN -> -inf, +inf -> the largest float; m = max y
 //   top-k    kth = the k-th largest y (the largest_above search); ties with it are kept
 //   exp      e = exp(y - m) where y >= kth and y > -inf, else 0; S = sum e
+//   min-p    e < min_p (e of the most probable is exp(0) = 1) -> 0; S = what is left
 //   top-p    most probable first (of equal entries, the higher index first: torch's stable
 //            ascending sort read backwards), an entry is kept while the mass before it < p S
-//   min-p    e < min_p (e of the most probable is exp(0) = 1) -> 0
 //   draw     the first id whose running sum exceeds u times the total, or, without a draw,
 //            e / total in place: the distribution itself
+// Min-p comes before top-p, as vLLM v1 orders them: the nucleus is taken of what min-p left.
 // The sums run in double across vectors. Rows are independent of each other, so a row's token
 // does not depend on the batch.
 #pragma once
@@ -208,10 +209,11 @@ int64_t sample_row(float* x, int64_t N, float T, int64_t top_k, float top_p, flo
   }
   const float kth = kth_largest<V>(x, N, top_k, cand);
   double total = exp_row<V>(x, N, kth, m);
-  Scored end{0.0f, 0};
-  if (top_p < 1.0f) end = nucleus_end<V>(x, N, total, top_p, cand);
-  const float floor = std::max(end.first, min_p > 0.0f ? min_p : 0.0f);   // the most probable entry's e is 1
-  if (floor > 0.0f) total = cut_row<V>(x, N, floor, end, cand);
+  if (min_p > 0.0f) total = cut_row<V>(x, N, min_p, Scored{0.0f, 0}, cand);   // the most probable entry's e is 1
+  if (top_p < 1.0f) {
+    const Scored end = nucleus_end<V>(x, N, total, top_p, cand);
+    total = cut_row<V>(x, N, end.first, end, cand);
+  }
   if (draw) return draw_row<V>(x, N, total, u);
   const typename V::F inv = V::set1((float)(1.0 / total));
   int64_t v = 0;
