@@ -27,6 +27,10 @@ def _bad(name: str, value, allowed: str) -> InvalidRequestError:
     return InvalidRequestError(f"{name} must be {allowed}, got {value!r}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def physical_cores() -> int:
     try:
         import psutil
@@ -68,10 +72,15 @@ class CacheConfig:
     def __post_init__(self):
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise _bad("block_size", self.block_size, "an integer in [1, 1024]")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool) or not isinstance(
+                self.kv_cache_memory, (int, float)) or not self.kv_cache_memory > 0):
             raise _bad("kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
-        if self.num_blocks is not None and self.num_blocks < 1:
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", int(self.kv_cache_memory))
+        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
             raise _bad("num_blocks", self.num_blocks, "a positive integer")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise _bad("enable_prefix_caching", self.enable_prefix_caching, "true or false")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
         eviction = KVEvictionParams.create(self.kv_eviction)
@@ -86,6 +95,10 @@ class SchedulerConfig:
     max_waiting: int | None = None     # bounded waiting queue (server back-pressure); None = unbounded
 
     def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise _bad(name, value, "an integer")
         if self.max_num_batched_tokens < 1:
             raise _bad("max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
         if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
@@ -185,7 +198,7 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int = 0  # seeds the shared generator used by unseeded sampling
+    seed: int | None = 0  # seeds the shared generator used by unseeded sampling (None: system entropy)
     speculative: SpeculativeConfig | None = None  # speculative decoding (loom/speculative); None: off
 
     @classmethod
@@ -196,6 +209,8 @@ class EngineConfig:
                                                  ("scheduler", SchedulerConfig))
                   for name in klass.__dataclass_fields__}
         seed = kwargs.pop("seed", 0)
+        if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+            raise _bad("seed", seed, "an integer (or None: seeded from system entropy)")
         speculative = SpeculativeConfig.create(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             if key not in owners:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Mapping, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
+from loom.loader.chat_messages import message_dicts, tool_list, with_tools
 from loom.outputs import FinalOutputs, RequestOutput
 from loom.parallel.beam import run_beam_search
 from loom.sampling_params import SamplingParams
@@ -48,6 +49,9 @@ class LLM:
             raise InvalidRequestError("generate() needs prompts or prompt_token_ids")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise InvalidRequestError("prompts is a list of integers, which would be one prompt per integer: give "
+                                      "token ids as {'prompt_token_ids': [...]}, [[...]] or prompt_token_ids=[[...]]")
         params = self._params_list(sampling_params, len(prompts))
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
@@ -64,18 +68,33 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {role, content}) or a list of them, rendered with the model's chat template.
+        """One conversation (a list of messages) or a list of them, rendered with the model's chat
+        template (or `chat_template`, a Jinja template), as the server renders a chat request.
 
+        Messages take OpenAI's shapes (content a string, text parts or None; an assistant's
+        `tool_calls`); `tools` (OpenAI's function tools) are shown to the model through the
+        template where it reads them, else in the system message (loom/loader/chat_messages.py);
+        the calls in the output are the caller's to parse, as with vLLM's `LLM.chat`.
         continue_final_message: the final message is left open and the model continues it (with
         add_generation_prompt=False); chat_template_kwargs: more template variables."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise InvalidRequestError("chat() needs a conversation: a list of messages, or a list of such lists")
+        convs = [messages] if isinstance(messages[0], Mapping) else messages
         tok = self.engine.tokenizer
-        how = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                   **(chat_template_kwargs or {}))
-        prompts = [{"prompt": tok.apply_chat_template(c, **how), "prompt_token_ids": tok.encode_chat(c, **how)}
-                   for c in convs]
+        tool_defs = tool_list(tools or [])
+        prompts = []
+        for i, conv in enumerate(convs):
+            if not isinstance(conv, Sequence) or isinstance(conv, str) or not conv:
+                raise InvalidRequestError(f"conversation {i} must be a non-empty list of messages")
+            variables, template = dict(chat_template_kwargs or {}), chat_template or tok.chat_template
+            msgs = with_tools(message_dicts(conv, template), tool_defs, template, variables)
+            how = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template=chat_template, **variables)
+            text = tok.apply_chat_template(msgs, **how)
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode_chat(msgs, **how)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: str | Sequence, params) -> list:

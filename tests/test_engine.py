@@ -461,6 +461,79 @@ def test_llm_generate_aborts_its_requests_on_any_exception(make_tiny, monkeypatc
     assert out.outputs[0].token_ids == fresh.outputs[0].token_ids
 
 
+def test_llm_chat_takes_openai_messages_as_the_server_does(make_tiny):
+    """Text parts and None content, an assistant's tool_calls, tools without a template that reads
+    them, another template: rendered as the server renders them (loom/loader/chat_messages.py)."""
+    from loom.llm import LLM
+    from loom.loader.chat_messages import GENERIC_INSTRUCTIONS
+
+    llm = LLM.from_engine(make_tiny())
+    tok = llm.engine.tokenizer
+    one = SamplingParams(max_tokens=1)
+    plain = llm.chat([{"role": "user", "content": "hello there"}], one, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]},
+                      {"role": "assistant", "content": None}], one, use_tqdm=False, add_generation_prompt=False)[0]
+    assert parts.prompt == "<|im_start|>user\nhello\nthere<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+    assert plain.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "hello there"}])
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    [out] = llm.chat([{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                      {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}], one, use_tqdm=False, tools=tools)
+    assert out.prompt.startswith("<|im_start|>system\n" + GENERIC_INSTRUCTIONS) and '"get_weather"' in out.prompt
+    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in out.prompt
+
+    [out] = llm.chat([{"role": "user", "content": "hi"}], one, use_tqdm=False,
+                     chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert out.prompt == "[hi]"
+    native = ("{{ tools | map(attribute='function.name') | join(',') }}{% for m in messages %}[{{ m['content'] }}"
+              "{% for c in m.tool_calls or [] %} {{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+              "{% if m.tool_call_id %} {{ m.tool_call_id }}{% endif %}]{% endfor %}")
+    [out] = llm.chat([{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                      {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}], one, use_tqdm=False,
+                     tools=tools, chat_template=native)
+    assert out.prompt == "get_weather[weather?][ get_weather(Paris)][sunny call_1]"
+    with pytest.raises(InvalidRequestError, match="conversation"):
+        llm.chat([], one, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], one, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="tools"):
+        llm.chat([{"role": "user", "content": "hi"}], one, use_tqdm=False, tools=[{"type": "function"}])
+
+
+def test_tokenizer_chat_template_tokenize_and_hf_helpers(tiny_parts):
+    from loom.errors import TokenizerError
+
+    tok = tiny_parts[2]
+    chat = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(chat, tokenize=True) == tok.encode_chat(chat)
+    assert isinstance(tok.apply_chat_template(chat, tokenize=False), str)
+    with pytest.raises(TokenizerError, match="return_dict"):
+        tok.apply_chat_template(chat, return_dict=True)
+    ids = tok.encode("hello there", add_special_tokens=False)
+    assert tok(["hello there"], add_special_tokens=False)["input_ids"] == [ids]
+    assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(ids)) == ids
+    assert tok.batch_decode([ids]) == [tok.decode(ids)] and len(tok) == tok.vocab_size
+    assert tok.get_vocab()[tok.convert_ids_to_tokens(ids[0])] == ids[0]
+    assert tok.eos_token_id in tok.all_special_ids
+
+
+@pytest.mark.parametrize("option, value", [("seed", "1"), ("seed", 1.5), ("max_model_len", "128"),
+                                           ("max_num_seqs", 2.0), ("num_blocks", "3"), ("enable_prefix_caching", "no")])
+def test_engine_options_of_the_wrong_type_are_refused_by_name(option, value):
+    from loom.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError, match=f"^{option} must be"):
+        EngineConfig.create("model.gguf", **{option: value})
+
+
+def test_llm_generate_refuses_a_bare_list_of_ids(make_tiny):
+    from loom.llm import LLM
+
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids"):
+        LLM.from_engine(make_tiny()).generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 def test_llm_progress_bar_leaves_stdout_alone(make_tiny, capfd):
     """The progress bar (8+ prompts) draws on stderr, as vLLM's tqdm: redirected stdout holds
     only what the program prints."""

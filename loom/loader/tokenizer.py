@@ -194,6 +194,7 @@ class Tokenizer:
         # A template that does not compile fails chat requests only, never plain prompts.
         self._template: ChatTemplate | None = None
         self._template_error: str | None = None
+        self._other_templates: dict[str, ChatTemplate] = {}   # templates given per call
         if chat_template is not None:
             try:
                 self._template = ChatTemplate(chat_template, name)
@@ -308,30 +309,95 @@ class Tokenizer:
         """The token's vocabulary spelling (byte-level symbols like "Ġ", or "▁" for spaces)."""
         return self._backend.id_to_token(i)
 
+    # -- the parts of a transformers tokenizer that code written for vLLM's get_tokenizer() uses --
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> dict[str, list]:
+        """{"input_ids", "attention_mask"} of a text or of each of a list of texts."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        ids_list = self.encode_batch(text, add_special_tokens)
+        return {"input_ids": ids_list, "attention_mask": [[1] * len(ids) for ids in ids_list]}
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.raw_tokens)} if self.raw_tokens else self._backend.get_vocab()
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.named_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.named_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.named_tokens.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.named_tokens.get("unk_token")
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self.special_token_ids | {i for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id,
+                                                             self.unk_token_id) if i is not None})
+
     # -- chat --------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
-        """The prompt text for a conversation, rendered by the model's own template.
+                            continue_final_message: bool = False, *, tokenize: bool = False,
+                            chat_template: str | None = None, **kwargs: Any) -> str | list[int]:
+        """The prompt text for a conversation, rendered by the model's own template (or by
+        `chat_template`, a Jinja template of the same kind); with ``tokenize=True`` its ids, as
+        `encode_chat` gives them. Unlike transformers' method, text is the default.
 
-        `kwargs` become template variables (``tools``, ``documents``, ``enable_thinking``, ...).
-        continue_final_message: the text ends where the final message's text ends (its end of
-        turn cut off), so that the model continues that message, as transformers does; not with
-        add_generation_prompt.
+        `kwargs` become template variables (``tools``, ``documents``, ``enable_thinking``, ...);
+        transformers' options that shape a tensor output (``return_dict``, ``padding``, ...) are
+        refused. continue_final_message: the text ends where the final message's text ends (its
+        end of turn cut off), so that the model continues that message, as transformers does;
+        not with add_generation_prompt.
         Raises `TokenizerError` if the model has no template or the template rejects the input.
         """
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt, continue_final_message,
+                                    chat_template=chat_template, **kwargs)
+        if unsupported := sorted(set(kwargs) & _HF_OUTPUT_OPTIONS):
+            raise TokenizerError(f"apply_chat_template does not take {', '.join(unsupported)}: it returns the "
+                                 "prompt's text, or its ids with tokenize=True")
         if continue_final_message:
             if add_generation_prompt:
                 raise TokenizerError("continue_final_message continues the final message: it cannot be combined "
                                      "with add_generation_prompt (set add_generation_prompt to false)")
             tagged, final = _tag_final_message(messages)
-            return _cut_at_tag(self.apply_chat_template(tagged, False, **kwargs), final)
+            return _cut_at_tag(self.apply_chat_template(tagged, False, chat_template=chat_template, **kwargs), final)
+        return self._chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
+                                                         special_tokens=self.named_tokens, **kwargs)
+
+    def _chat_template(self, source: str | None) -> ChatTemplate:
+        """The model's compiled template, or `source` compiled (kept for the next call)."""
+        if source is not None:
+            if source not in self._other_templates:
+                if len(self._other_templates) >= 8:
+                    self._other_templates.clear()
+                self._other_templates[source] = ChatTemplate(source, self.name)
+            return self._other_templates[source]
         if self._template_error is not None:
             raise TokenizerError(self._template_error)
         if self._template is None:
             raise TokenizerError(f"model {self.name!r} has no chat template (its GGUF file carries no "
                                  "'tokenizer.chat_template'); send a plain text prompt instead of chat messages")
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
-                                     special_tokens=self.named_tokens, **kwargs)
+        return self._template
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **kwargs: Any) -> list[int]:
@@ -343,6 +409,10 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+
+# transformers' apply_chat_template options for a tensor or dict output, which loom's does not give
+_HF_OUTPUT_OPTIONS = frozenset({"return_dict", "return_tensors", "padding", "truncation", "max_length",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 # Marks where the final message's text ends in a rendering that must leave it open (transformers' tag).
 _OPEN_TAG = "CONTINUE_FINAL_MESSAGE_TAG "

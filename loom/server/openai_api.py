@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
 from loom.errors import EngineDeadError, EngineRestartingError, LoomError, TokenizerError
+from loom.loader.chat_messages import message_dicts, with_tools
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
@@ -87,8 +88,7 @@ from loom.server.protocol import (
     VersionResponse,
 )
 from loom.server.sse import DONE, EventStreamResponse, PlainChunks, event
-from loom.server.tools import (AutoStream, CallStream, ToolPlan, history_message, template_reads_tools,
-                               tool_dicts, with_tool_prompt)
+from loom.server.tools import AutoStream, CallStream, ToolPlan, tool_dicts
 
 log = logging.getLogger("loom.server")
 
@@ -310,17 +310,8 @@ def _auto_chunk(index: int, out: RequestOutput, stream: AutoStream,
                            logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason if out.finished else None)
 
 
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    if m.content is None:
-        content = ""
-    elif isinstance(m.content, str):
-        content = m.content
-    else:
-        content = "\n".join(part.text for part in m.content)
-    d: dict[str, Any] = {"role": m.role, "content": history_message(m.role, content, m.tool_calls)}
-    if m.name is not None:
-        d["name"] = m.name
-    return d
+def _message_dicts(messages: list[ChatMessage], template: str | None) -> list[dict[str, Any]]:
+    return message_dicts([m.model_dump(exclude_none=True) for m in messages], template)
 
 
 class OpenAIServing:
@@ -611,13 +602,10 @@ class OpenAIServing:
                                       loom=extension)
 
     def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan) -> dict[str, Any]:
-        messages = [_message_dict(m) for m in body.messages]
         extra = _template_variables(body.chat_template_kwargs)
+        messages = _message_dicts(body.messages, self.ae.tokenizer.chat_template)
         if tools.active:   # the template's own tool prompt where it has one, else loom's generic one
-            if template_reads_tools(self.ae.tokenizer.chat_template):
-                extra["tools"] = tools.tools
-            else:
-                messages = with_tool_prompt(messages, tools.tools)
+            messages = with_tools(messages, tools.tools, self.ae.tokenizer.chat_template, extra)
         try:
             ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                                 continue_final_message=body.continue_final_message, **extra)
@@ -691,7 +679,7 @@ class OpenAIServing:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             try:
-                ids = tok.encode_chat([_message_dict(m) for m in body.messages],
+                ids = tok.encode_chat(_message_dicts(body.messages, tok.chat_template),
                                       add_generation_prompt=body.add_generation_prompt,
                                       continue_final_message=body.continue_final_message,
                                       **_template_variables(body.chat_template_kwargs))

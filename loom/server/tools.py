@@ -6,7 +6,7 @@ The calls a model makes are one JSON object, whatever the template:
 
 * The tools reach the model through its chat template when the template reads a `tools`
   variable; otherwise (SmolLM2's template, for one) a system message lists them as JSON and
-  states the format above (`GENERIC_INSTRUCTIONS`). A model without any chat template (Gemma 3
+  states the format above (loom/loader/chat_messages.py, which `LLM.chat` shares). A model without any chat template (Gemma 3
   270M, a base model) cannot take chat requests at all: the chat endpoint answers 400.
 * `tool_choice` "required" or a named function: the output is constrained by a JSON Schema of
   that object (each call's `arguments` by its function's `parameters`), so the call always
@@ -17,7 +17,8 @@ The calls a model makes are one JSON object, whatever the template:
   them; `call_opening`); text before it or another key first makes the whole output content.
   "none": the tools are not shown.
 * Assistant messages with `tool_calls` and `tool` messages in the conversation are written back
-  in the same JSON form (and the tool's result as the tool message's content).
+  in the same JSON form (and the tool's result as the tool message's content; also
+  loom/loader/chat_messages.py).
 * Streaming a forced call (`CallStream`): as OpenAI streams calls, each call's id, type and name
   come in one delta as soon as its name is complete, then its arguments' text in fragments as
   the model writes them; the fragments of a call join into its arguments' JSON.
@@ -43,31 +44,11 @@ from typing import Any
 _OPENING = ("{", '"tool_calls"', ":", "[")
 _JSON_SPACE = " \t\n\r"
 
-GENERIC_INSTRUCTIONS = (
-    "You can call functions. To call one or more, answer with only a JSON object of the form "
-    '{"tool_calls": [{"name": <function name>, "arguments": <arguments object>}]} and nothing else. '
-    "The functions:\n")
-
-
 def tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
     """The request's tools as plain OpenAI-shaped dicts."""
     return [{"type": "function", "function": {k: v for k, v in {
         "name": t.function.name, "description": t.function.description,
         "parameters": t.function.parameters}.items() if v is not None}} for t in tools]
-
-
-def template_reads_tools(template: str | None) -> bool:
-    return template is not None and "tools" in template
-
-
-def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with the generic tool instructions in the system message (one is added first
-    when the conversation has none)."""
-    text = GENERIC_INSTRUCTIONS + json.dumps([t["function"] for t in tools], indent=1)
-    if messages and messages[0]["role"] in ("system", "developer"):
-        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
 
 
 def call_schema(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> dict[str, Any]:
@@ -123,21 +104,6 @@ def parse_calls(text: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]] 
         out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                     "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}})
     return out
-
-
-def history_message(role: str, content: str, tool_calls: list[Any] | None) -> str:
-    """The content an assistant message with `tool_calls` is written back with."""
-    if role != "assistant" or not tool_calls:
-        return content
-    calls = []
-    for c in tool_calls:
-        try:
-            args = json.loads(c.function.arguments)
-        except ValueError:
-            args = c.function.arguments
-        calls.append({"name": c.function.name, "arguments": args})
-    text = json.dumps({"tool_calls": calls})
-    return f"{content}\n{text}" if content else text
 
 
 class ToolPlan:
