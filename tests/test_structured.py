@@ -58,11 +58,22 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
                         ({"type": "array", "items": {"host": {"type": "string"}, "required": ["host"]}}, "'host'"),
                         ({"type": "object", "properties": {"a": {"type": "number"}},
                           "anyOf": [{"required": ["a"]}]}, "'a'"),
-                        ({"type": "object", "required": ["a"], "additionalProperties": True}, "'a'")):
+                        ({"type": "object", "required": ["a"], "additionalProperties": True}, "'a'"),
+                        # keywords xgrammar compiles without a word and does not enforce
+                        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+                        ({"type": "boolean", "not": {"const": True}}, "'not'"),
+                        ({"type": "integer", "if": {"minimum": 5}, "then": {"const": 7}}, "'if'"),
+                        ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "contains"),
+                        ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                          "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+                        ({"type": "object", "patternProperties": {"^x$": {"type": "integer"}}, "minProperties": 2},
+                          "minProperties")):
         with pytest.raises(InvalidRequestError, match=f"structured_outputs.json does not compile: not enforceable "
                                                       f"exactly: .*{word}"):
             engine.add_request("hi", SamplingParams(structured_outputs={"json": loose}))
     engine.structured.compile(StructuredOutputsParams(json={"oneOf": [{"type": "integer"}, {"type": "string"}]}))
+    engine.structured.compile(StructuredOutputsParams(json={   # keywords' names as property names
+        "type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}}))
     engine.structured.compile(StructuredOutputsParams(json={   # `required` as a property's name, and in data
         "type": "object", "required": ["required"], "additionalProperties": False,
         "properties": {"required": {"type": "object", "default": {"required": ["x"]}}}}))
@@ -89,6 +100,14 @@ def test_regex_and_choice_hold_for_greedy_and_sampled_rows_in_one_batch(make_tin
     assert outs[2].outputs[0].text in ("left", "right", "straight on")
     alone = run(make_tiny(), ["four"], [params[3]])[0]
     assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids   # the masks touch only their rows
+
+
+def test_choices_outside_the_basic_plane_come_out_whole(make_tiny):
+    choices = ["\U0001F600 happy", "\U0001F622 sad"]
+    params = [SamplingParams(max_tokens=16, temperature=t, seed=5, structured_outputs={"choice": choices})
+              for t in (0, 1.0)]
+    for out in run(make_tiny(), ["mood", "mood"], params):
+        assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"
 
 
 def test_n_children_each_follow_the_grammar(make_tiny):

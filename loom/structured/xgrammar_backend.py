@@ -84,6 +84,38 @@ def _unenforced_required(schema: Any) -> str | None:
                  and (found := _unenforced_required(value)) is not None), None)
 
 
+# keywords xgrammar compiles without a word and does not enforce (an output that breaks them
+# passes its grammar): `uniqueItems: [1, 1]`, `not`, `if`/`then`/`else`, `contains`, the
+# dependencies between properties
+_IGNORED_KEYWORDS = ("not", "if", "contains", "minContains", "maxContains", "dependentRequired", "dependencies",
+                     "dependentSchemas")
+# keys whose values map names to schemas (a property called "not" is no keyword)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword, at any depth, that xgrammar would compile and not enforce. Among them
+    `minProperties` above 1 beside `patternProperties`: the grammar lets one key repeat
+    (`{"x": 1, "x": 2}`), which is one property."""
+    if isinstance(schema, list):
+        return next((found for item in schema if (found := _unenforced_keyword(item)) is not None), None)
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("uniqueItems") is True:
+        return "the keyword 'uniqueItems'"
+    if (found := next((k for k in _IGNORED_KEYWORDS if k in schema), None)) is not None:
+        return f"the keyword {found!r}"
+    if "patternProperties" in schema and isinstance(schema.get("minProperties"), int) and schema["minProperties"] > 1:
+        return "minProperties above 1 beside patternProperties (a key may repeat)"
+    for key, value in schema.items():
+        if key in _DATA_KEYS:
+            continue
+        values = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
+        if (found := next((f for v in values if (f := _unenforced_keyword(v)) is not None), None)) is not None:
+            return found
+    return None
+
+
 def _schema_value(schema: str | dict) -> Any:
     """The schema as a value (None when its text is no JSON: xgrammar says why when it compiles)."""
     if not isinstance(schema, str):
@@ -95,7 +127,8 @@ def _schema_value(schema: str | dict) -> Any:
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    # the characters as they are: an escaped astral one (\ud83d\ude00) reads as two lone surrogates
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 @register("xgrammar")
@@ -116,10 +149,13 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """Refuses what xgrammar would compile loosely (it says so only on stderr: `oneOf` read as
         `anyOf`, `multipleOf` on numbers, lengths beside a `pattern`, ...; and, silently, a
-        `required` name that is not in `properties`): a grammar looser than its schema lets
-        invalid output through, claimed complete."""
+        `required` name that is not in `properties` and the keywords of `_unenforced_keyword`):
+        a grammar looser than its schema lets invalid output through, claimed complete."""
         if spec.kind == "json":
-            if (name := _unenforced_required(_schema_value(spec.json))) is not None:
+            value = _schema_value(spec.json)
+            if (what := _unenforced_keyword(value)) is not None:
+                raise ValueError(f"not enforceable exactly: {what} is not supported")
+            if (name := _unenforced_required(value)) is not None:
                 raise ValueError(f"not enforceable exactly: required property {name!r} is not in the "
                                  "properties of its schema")
         lines: list[str] = []
