@@ -19,7 +19,7 @@ from loom.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.sampling_params import StructuredOutputsParams
-from loom.server.tools import AutoStream, CallStream, ToolPlan, call_opening, scan_calls
+from loom.server.tools import AutoStream, CallStream, ToolPlan, call_opening, call_schema, scan_calls
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -548,6 +548,57 @@ def test_forced_calls_stream_their_logprobs_and_a_named_function_is_called_once(
     chunks = [c for ch in tiny_client.chat.completions.create(**ask, stream=True) for c in ch.choices]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) == 1
     assert _streamed_tokens(chunks) == [t.token for t in whole.logprobs.content] and whole.logprobs.content
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_auto_tool_choice_without_parallel_calls_gives_the_first_call_only(tiny_client, parallel) -> None:
+    text = json.dumps({"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}},
+                                      {"name": "set_unit", "arguments": {}}]})
+    whole, chunks = _auto_pair(tiny_client, text, parallel_tool_calls=parallel)
+    calls = whole[0].message.tool_calls
+    assert whole[0].finish_reason == "tool_calls" and len(calls) == (2 if parallel else 1)
+    assert json.loads(calls[0].function.arguments) == {"unit": "kelvin"}
+    deltas = [d for c in chunks for d in (c.delta.tool_calls or [])]
+    assert {d.index for d in deltas} == ({0, 1} if parallel else {0})
+    assert json.loads("".join(d.function.arguments for d in deltas if d.index == 0)) == {"unit": "kelvin"}
+
+
+def test_tool_parameters_with_local_references_and_of_other_types(tiny_client) -> None:
+    unit = {"$defs": {"U": {"enum": ["c", "k"]}}, "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]}
+    tools = [{"type": "function", "function": {"name": "set_unit", "parameters": unit}}]
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=tools, temperature=0,
+               tool_choice="required", parallel_tool_calls=False, max_completion_tokens=200)
+    whole = tiny_client.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    assert all(json.loads(c.function.arguments)["u"] in ("c", "k") for c in whole.message.tool_calls)
+    two = call_schema(tools + [{"type": "function", "function": {"name": "get_unit", "parameters": unit}}], None, True)
+    assert two["properties"]["tool_calls"]["items"]["anyOf"][1]["properties"]["arguments"]["properties"]["u"] == {
+        "$ref": "#/properties/tool_calls/items/anyOf/1/properties/arguments/$defs/U"}
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]
+    with pytest.raises(openai.BadRequestError, match="type 'object'") as e:
+        tiny_client.chat.completions.create(**{**ask, "tools": bad})
+    assert "tools" in e.value.body["param"] and "parameters" in e.value.body["param"]
+
+
+def test_structural_tags_in_both_forms_and_as_a_response_format(tiny_client, make_tiny) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    legacy = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f"]}
+    engine = make_tiny()
+    engine.structured.compile(StructuredOutputsParams(structural_tag=legacy))
+    with pytest.raises(InvalidRequestError, match="structures must be a list of"):
+        engine.add_request("hi", SamplingParams(structured_outputs={"structural_tag": {"structures": [{"begin": 1}]}}))
+    with pytest.raises(InvalidRequestError) as e:     # xgrammar's own words, without its C++ check
+        engine.add_request("hi", SamplingParams(structured_outputs={"structural_tag": {"type": "structural_tag"}}))
+    assert "Check failed" not in str(e.value)
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=8, temperature=0)
+    for fmt in ({"type": "structural_tag", **legacy},
+                {"type": "structural_tag", "format": {"type": "const_string", "value": "fixed"}}):
+        out = tiny_client.chat.completions.create(**ask, response_format=fmt).choices[0]
+        assert out.finish_reason in ("stop", "length")
+    assert tiny_client.chat.completions.create(**ask, response_format={
+        "type": "structural_tag", "format": {"type": "const_string", "value": "fixed"}}).choices[0].message.content == "fixed"
+    with pytest.raises(openai.BadRequestError, match="needs a format"):
+        tiny_client.chat.completions.create(**ask, response_format={"type": "structural_tag"})
 
 
 def test_a_named_tool_choice_allows_one_call_unless_parallel_calls_are_asked_for() -> None:

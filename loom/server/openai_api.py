@@ -195,6 +195,13 @@ def _constraint(body: SamplingFields) -> StructuredOutputsParams | None:
         return None
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True, source="response_format")
+    if fmt.type == "structural_tag":
+        if (fmt.format is None) == (fmt.structures is None):
+            raise ApiError(400, "response_format of type 'structural_tag' needs a format, or structures and triggers",
+                           param="response_format.format", code="invalid_value")
+        tag = ({"type": "structural_tag", "format": fmt.format} if fmt.format is not None
+               else {"structures": fmt.structures, "triggers": fmt.triggers or []})
+        return StructuredOutputsParams(structural_tag=tag, source="response_format")
     if fmt.json_schema is None:
         raise ApiError(400, "response_format of type 'json_schema' needs a json_schema object",
                        param="response_format.json_schema", code="invalid_value")

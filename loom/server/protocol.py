@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from loom.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -166,10 +166,15 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """`text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+    """`text` (no constraint), `json_object` (any JSON object), `json_schema`, or vLLM's
+    `structural_tag` (an xgrammar structural tag: its `format`, or the older `structures` and
+    `triggers`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict | None = Field(None, description="structural_tag: the tag's format (xgrammar's structural tag).")
+    structures: list[dict] | None = Field(None, description="structural_tag, older form: {begin, schema, end} items.")
+    triggers: list[str] | None = Field(None, description="structural_tag, older form: texts that open a structure.")
 
 
 class StructuredOutputsRequest(_Request):
@@ -396,6 +401,13 @@ class FunctionDef(_Request):
     description: str | None = None
     parameters: dict | None = Field(None, description="A JSON Schema of the arguments object.")
     strict: bool | None = Field(None, description="Accepted: forced calls always follow `parameters`.")
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON Schema of an object (type 'object'), got type {v['type']!r}")
+        return v
 
 
 class Tool(_Request):

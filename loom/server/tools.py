@@ -51,12 +51,36 @@ def tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
         "parameters": t.function.parameters}.items() if v is not None}} for t in tools]
 
 
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})   # values that are JSON data, not schemas
+
+
+def _moved_refs(schema: Any, prefix: str) -> Any:
+    """`schema` with its local references ("#/$defs/Unit", "#") pointing at the same places once
+    the schema sits at JSON pointer `prefix` of a larger one."""
+    if isinstance(schema, list):
+        return [_moved_refs(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + prefix + value[1:]
+        else:
+            out[key] = value if key in _DATA_KEYS else _moved_refs(value, prefix)
+    return out
+
+
 def call_schema(tools: list[dict[str, Any]], only: str | None, parallel: bool) -> dict[str, Any]:
-    """The JSON Schema an output must follow to be tool calls (of function `only`, if given)."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": f["name"]},
-                             "arguments": f.get("parameters") or {"type": "object"}}}
-             for f in (t["function"] for t in tools) if only is None or f["name"] == only]
+    """The JSON Schema an output must follow to be tool calls (of function `only`, if given).
+    Each function's `parameters` become its call's `arguments` (an object whatever they say
+    of the type), their local references moved with them."""
+    funcs = [f for f in (t["function"] for t in tools) if only is None or f["name"] == only]
+    calls = []
+    for i, f in enumerate(funcs):
+        at = "/properties/tool_calls/items" + (f"/anyOf/{i}" if len(funcs) > 1 else "") + "/properties/arguments"
+        arguments = {"type": "object", **_moved_refs(f.get("parameters") or {}, at)}
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                      "properties": {"name": {"const": f["name"]}, "arguments": arguments}})
     items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
@@ -123,11 +147,12 @@ class ToolPlan:
         return call_schema(self.tools, self.named, self.parallel)
 
     def message(self, text: str, finish: str | None) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
-        """(content, tool_calls, finish_reason) of a finished choice."""
+        """(content, tool_calls, finish_reason) of a finished choice; without parallel calls,
+        the first call only (as vLLM filters them: under "auto" no grammar holds the model to one)."""
         if self.active and finish == "stop":
             calls = parse_calls(text, self.tools)
             if calls is not None:
-                return None, calls, "tool_calls"
+                return None, calls if self.parallel else calls[:1], "tool_calls"
         return text, None, finish
 
     @property
@@ -181,9 +206,10 @@ def scan_calls(text: str) -> list[list]:
 class CallStream:
     """One streamed choice's tool-call deltas, from its growing text."""
 
-    def __init__(self):
+    def __init__(self, limit: int | None = None):
         self.ids: list[str] = []
         self.sent: list[int] = []      # characters of each call's arguments sent
+        self.limit = limit             # calls streamed at most (the rest are left out)
 
     def deltas(self, text: str, scanned: list[list] | None = None) -> list[dict[str, Any]]:
         """The deltas the text adds since the last call: {"index", "id", "type", "function":
@@ -191,7 +217,7 @@ class CallStream:
         {"arguments": fragment}}. `scanned`: `scan_calls(text)`, when the caller has it."""
         out: list[dict[str, Any]] = []
         for i, (name, a0, a1) in enumerate(scan_calls(text) if scanned is None else scanned):
-            if name is None:
+            if name is None or (self.limit is not None and i >= self.limit):
                 break
             if i == len(self.ids):
                 self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
@@ -216,7 +242,7 @@ class AutoStream:
         self.plan = plan
         self.names = {t["function"]["name"] for t in plan.tools}
         self.mode = "held"
-        self.calls = CallStream()
+        self.calls = CallStream(None if plan.parallel else 1)
         self.sent = 0     # characters of the text sent as content
 
     def step(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]], str | None]:

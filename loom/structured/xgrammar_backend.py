@@ -43,6 +43,8 @@ class XGrammarMatcher(GrammarMatcher):
 
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: ": the compiler's words follow
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# and a failed internal check's words, "Check failed: (<C++ condition>) is false: ", before the message
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false: ")
 
 
 @contextmanager
@@ -183,11 +185,27 @@ class XGrammarBackend(GrammarBackend):
                 return c.compile_grammar(_choice_grammar(spec.choice))
             if kind == "grammar":
                 return c.compile_grammar(spec.grammar)
-            tag = spec.structural_tag if isinstance(spec.structural_tag, str) else json.dumps(spec.structural_tag)
-            return c.compile_structural_tag(tag)
+            tag = _schema_value(spec.structural_tag)
+            if isinstance(tag, dict) and "structures" in tag:
+                return c.compile_structural_tag(*self._legacy_tag(tag))
+            return c.compile_structural_tag(spec.structural_tag if isinstance(spec.structural_tag, str)
+                                            else json.dumps(spec.structural_tag))
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(_SOURCE_PREFIX.sub("", first)) from None
+            raise ValueError(_CHECK_FAILED.sub("", _SOURCE_PREFIX.sub("", first))) from None
+
+    def _legacy_tag(self, tag: dict) -> tuple[list[Any], list[str]]:
+        """The older structural tag form vLLM still takes, {"structures": [{begin, schema, end}],
+        "triggers": [...]}, as xgrammar's items and triggers."""
+        structures, triggers = tag.get("structures"), tag.get("triggers", [])
+        if not isinstance(structures, list) or not all(isinstance(x, dict) and isinstance(x.get("begin"), str)
+                                                       and isinstance(x.get("end"), str) for x in structures):
+            raise ValueError("structures must be a list of {begin, schema, end} objects")
+        if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+            raise ValueError("triggers must be a list of strings")
+        items = [self._xgr.StructuralTagItem(begin=x["begin"], schema=json.dumps(x.get("schema", {})), end=x["end"])
+                 for x in structures]
+        return items, triggers
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
