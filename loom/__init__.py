@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from loom.llm import LLM
     from loom.outputs import CompletionOutput, RequestOutput
-    from loom.sampling_params import SamplingParams
+    from loom.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "loom.llm",
     "SamplingParams": "loom.sampling_params",
+    "BeamSearchParams": "loom.sampling_params",
     "RequestOutput": "loom.outputs",
     "CompletionOutput": "loom.outputs",
 }

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
@@ -13,7 +14,7 @@ from loom.errors import InvalidRequestError
 from loom.loader.chat_messages import message_dicts, tool_list, with_tools
 from loom.outputs import FinalOutputs, RequestOutput
 from loom.parallel.beam import run_beam_search
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import BeamSearchParams, SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8  # shorter batches finish before a bar is worth drawing
 
@@ -97,12 +98,17 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode_chat(msgs, **how)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: str | Sequence, params) -> list:
-        """Beam search (or diverse beam search) per prompt with `loom.parallel.beam.BeamSearchParams`;
+    def beam_search(self, prompts: str | Sequence, params: BeamSearchParams, use_tqdm: bool = False) -> list:
+        """Beam search (or diverse beam search) per prompt with `BeamSearchParams` (vLLM's
+        `from vllm.sampling_params import BeamSearchParams` reads `from loom.sampling_params ...`);
         returns one `BeamSearchOutput` per prompt, in order, its sequences best first."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return run_beam_search(self.engine, list(prompts), params)
+        prompts = list(prompts)
+        show = use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS
+        with _progress(show) as (bar, task):
+            bar.update(task, total=len(prompts))
+            return run_beam_search(self.engine, prompts, params, on_done=lambda: bar.advance(task))
 
     @staticmethod
     def _params_list(sp, n: int) -> list[SamplingParams]:
@@ -131,11 +137,19 @@ class LLM:
         gather = FinalOutputs()
         show = use_tqdm and len(ids) >= PROGRESS_MIN_PROMPTS
         # on stderr, as vLLM's tqdm: stdout stays the program's own output when redirected
-        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=Console(stderr=True), disable=not show, transient=True) as bar:
-            task = bar.add_task("gen", total=len(ids))
+        with _progress(show) as (bar, task):
+            bar.update(task, total=len(ids))
             while self.engine.has_unfinished_requests():
                 for out in gather.add_all(self.engine.step()):
                     final[out.request_id] = out
                     bar.advance(task)
         return [final[i] for i in ids]
+
+
+@contextmanager
+def _progress(show: bool) -> Iterator[tuple[Progress, TaskID]]:
+    """A progress bar of prompts done, on stderr as vLLM's tqdm (stdout stays the program's own
+    output when redirected); nothing when not `show`."""
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), disable=not show, transient=True) as bar:
+        yield bar, bar.add_task("gen", total=None)

@@ -416,3 +416,57 @@ class SamplingParams:
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy, with `changes` applied to the named fields."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s settings (loom/parallel/beam.py), vLLM's fields and more.
+
+    beam_width: beams kept (all groups together); max_tokens: most new tokens per sequence;
+    the rest by keyword only: length_penalty: finished scores are divided by length **
+    length_penalty; early_stopping: True, False or "never" (see loom/parallel/beam.py);
+    num_groups / diversity_penalty: diverse beam search (beam_width must divide into the
+    groups); ignore_eos: the model's EOS ids end nothing; stop_token_ids: more ids that end a
+    sequence like EOS does; include_stop_str_in_output: the EOS's text ends the returned text;
+    temperature: 0 only (the beams rank by the model's own log-probabilities, as vLLM's do)."""
+
+    beam_width: int
+    max_tokens: int
+    _: dataclasses.KW_ONLY
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_groups: int = 1
+    diversity_penalty: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("beam_width", "max_tokens", "num_groups"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.beam_width % self.num_groups:
+            raise InvalidRequestError(f"beam_width ({self.beam_width}) must be a multiple of num_groups "
+                                      f"({self.num_groups})")
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.diversity_penalty < 0:
+            raise InvalidRequestError(f"diversity_penalty must be >= 0, got {self.diversity_penalty!r}")
+        if self.temperature != 0:
+            raise InvalidRequestError(f"temperature must be 0 in beam search (beams rank by the model's own "
+                                      f"log-probabilities), got {self.temperature!r}")
+
+    @property
+    def group_size(self) -> int:
+        return self.beam_width // self.num_groups
+
+    def num_logprobs(self, num_eos: int) -> int:
+        """Top logprobs each beam needs: its group's K, plus room for the tokens earlier groups
+        may push down with the diversity penalty."""
+        k = max(2, 1 + num_eos) * self.group_size
+        if self.num_groups > 1 and self.diversity_penalty > 0:
+            k += (self.num_groups - 1) * self.group_size
+        return k

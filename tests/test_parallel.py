@@ -408,6 +408,30 @@ def test_beams_share_blocks_and_diverse_groups_differ(make_engine):
         llm.beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(11, 4))
 
 
+def test_beam_search_reads_as_vllm_s(make_engine):
+    """vLLM's import path, names and options: `tokens` (prompt and output), `cum_logprob`,
+    include_stop_str_in_output, use_tqdm; options past max_tokens by keyword (vLLM's third is
+    ignore_eos, loom's fields differ), a temperature is refused."""
+    import loom
+    from loom.sampling_params import BeamSearchParams as FromParams
+
+    assert FromParams is BeamSearchParams is loom.BeamSearchParams
+    llm = LLM.from_engine(make_engine())
+    out = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(2, 6), use_tqdm=True)[0]
+    for seq in out.sequences:
+        assert seq.tokens == PROMPT + seq.token_ids and seq.cum_logprob == seq.cumulative_logprob
+    eos = llm.engine.tokenizer.eos_token_id
+    with_eos = BeamSearchParams(2, 6, stop_token_ids=[PROMPT[-1]], include_stop_str_in_output=True)
+    stopped = [s for s in llm.beam_search({"prompt_token_ids": PROMPT}, with_eos)[0].sequences
+               if s.finish_reason == "stop"]
+    for seq in stopped:
+        assert seq.text == llm.engine.tokenizer.decode(seq.token_ids) and seq.token_ids[-1] in (eos, PROMPT[-1])
+    with pytest.raises(TypeError):
+        BeamSearchParams(2, 6, True)
+    with pytest.raises(InvalidRequestError, match="temperature must be 0"):
+        BeamSearchParams(2, 6, temperature=0.7)
+
+
 # =============================================================================================
 # 5. The OpenAI server, in-process
 # =============================================================================================

@@ -34,7 +34,7 @@ are what accumulates. Results of all groups are returned together, best score fi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ import numpy as np
 
 from loom.engine.groups import ChildSpec
 from loom.errors import InvalidRequestError
-from loom.sampling_params import MAX_LOGPROBS, SamplingParams
+from loom.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from loom.engine.engine import Engine
@@ -52,52 +52,10 @@ _search_ids = itertools.count()
 
 
 @dataclass(frozen=True)
-class BeamSearchParams:
-    """beam_width: beams kept (all groups together); max_tokens: most new tokens per sequence;
-    length_penalty: finished scores are divided by length ** length_penalty; early_stopping:
-    True, False or "never" (see the module docstring); num_groups / diversity_penalty: diverse
-    beam search (beam_width must divide into the groups); ignore_eos: the model's EOS ids end
-    nothing; stop_token_ids: more ids that end a sequence like EOS does."""
-
-    beam_width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_groups: int = 1
-    diversity_penalty: float = 0.0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        for name in ("beam_width", "max_tokens", "num_groups"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.beam_width % self.num_groups:
-            raise InvalidRequestError(f"beam_width ({self.beam_width}) must be a multiple of num_groups "
-                                      f"({self.num_groups})")
-        if self.early_stopping not in (True, False, "never"):
-            raise InvalidRequestError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        if self.diversity_penalty < 0:
-            raise InvalidRequestError(f"diversity_penalty must be >= 0, got {self.diversity_penalty!r}")
-
-    @property
-    def group_size(self) -> int:
-        return self.beam_width // self.num_groups
-
-    def num_logprobs(self, num_eos: int) -> int:
-        """Top logprobs each beam needs: its group's K, plus room for the tokens earlier groups
-        may push down with the diversity penalty."""
-        k = max(2, 1 + num_eos) * self.group_size
-        if self.num_groups > 1 and self.diversity_penalty > 0:
-            k += (self.num_groups - 1) * self.group_size
-        return k
-
-
-@dataclass(frozen=True)
 class BeamSearchSequence:
-    """One returned hypothesis: generated tokens (with the EOS that ended it, if any)."""
+    """One returned hypothesis: generated tokens (with the EOS that ended it, if any) and their
+    text (without the EOS unless include_stop_str_in_output; unlike vLLM's `text`, without the
+    prompt). vLLM's names read the same: `tokens` (prompt and generated ids) and `cum_logprob`."""
 
     token_ids: list[int]
     text: str
@@ -105,6 +63,15 @@ class BeamSearchSequence:
     score: float               # what ranks: (penalised) sum / length ** length_penalty
     finish_reason: str         # "stop" (EOS) or "length"
     group: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.token_ids]
+
+    @property
+    def cum_logprob(self) -> float:
+        return self.cumulative_logprob
 
 
 @dataclass(frozen=True)
@@ -202,8 +169,9 @@ class BeamSearch:
         seqs = []
         for g, group in enumerate(self.groups):
             for score, tokens, logprob, reason in group.finished:
-                text = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
-                seqs.append(BeamSearchSequence(tokens, text, logprob, float(score), reason, g))
+                shown = tokens if self.params.include_stop_str_in_output or reason != "stop" else tokens[:-1]
+                text = self.engine.tokenizer.decode(shown, skip_special_tokens=not self.params.include_stop_str_in_output)
+                seqs.append(BeamSearchSequence(tokens, text, logprob, float(score), reason, g, self.prompt_ids))
         seqs.sort(key=lambda s: -s.score)
         return BeamSearchOutput(self.prompt, self.prompt_ids, seqs)
 
@@ -285,8 +253,10 @@ class BeamSearch:
         return self.engine.fresh_id(f"{self.prefix}-{suffix}")
 
 
-def run_beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search for every prompt, all searches sharing the engine's batches; in prompt order."""
+def run_beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchParams,
+                    on_done: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
+    """Beam search for every prompt, all searches sharing the engine's batches; in prompt order.
+    `on_done` is called as each search finishes."""
     searches: list[BeamSearch] = []
     try:
         for prompt in prompts:
@@ -302,6 +272,8 @@ def run_beam_search(engine: Engine, prompts: Sequence[Any], params: BeamSearchPa
             for search in searches:
                 if search.ready():
                     owner.update((rid, search) for rid in search.advance())
+                    if search.done and on_done is not None:
+                        on_done()
     except BaseException:
         for search in searches:
             search.abort()
