@@ -175,6 +175,34 @@ def test_streaming_within_budget_changes_nothing(make_tiny):
     assert plain == roomy
 
 
+@pytest.mark.parametrize("budget", [32, 30])      # whole blocks of 4, and not
+def test_streaming_tokens_do_not_depend_on_how_the_prompt_is_chunked(make_tiny, budget):
+    """Each prompt token sees the entries it would see computed one by one, whatever the step's
+    token budget, a prefix-cache hit or another request in the batch: the output's logprobs
+    (which read the whole evicted cache) agree to float32 rounding (the tiny model's float32
+    weights run through torch, whose sums depend on the chunk's rows: 5e-7 here; a chunk that
+    evicted before tokens it should not have moved them by 8e-3)."""
+    prompt = list(range(5, 105))
+    params = greedy(12, {"policy": "streaming", "budget": budget}, logprobs=0)
+
+    def scored(engine) -> list[float]:
+        rid = engine.add_request(prompt, params)
+        out = None
+        while engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+        return [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+
+    want = scored(make_tiny(enable_prefix_caching=False, max_num_batched_tokens=64))
+    for opts in ({"max_num_batched_tokens": 8}, {"max_num_batched_tokens": 7}, {"max_num_batched_tokens": 256}):
+        assert scored(make_tiny(enable_prefix_caching=False, **opts)) == pytest.approx(want, abs=1e-5), opts
+    warm = make_tiny()
+    run(warm, prompt, greedy(2))                                     # the prompt's blocks cached
+    assert scored(warm) == pytest.approx(want, abs=1e-5)
+    busy = make_tiny(enable_prefix_caching=False, max_num_batched_tokens=48)
+    busy.add_request(list(range(200, 260)), greedy(30))
+    assert scored(busy) == pytest.approx(want, abs=1e-5)
+
+
 def test_streaming_runs_past_the_context_with_bounded_kv(make_tiny):
     engine = make_tiny(max_model_len=64)
     with pytest.raises(InvalidRequestError, match="context limit is 64"):
@@ -204,7 +232,8 @@ def test_positions_after_eviction_are_the_unevicted_positions(make_tiny, monkeyp
     run(engine, prompt, greedy(30))
     plain, calls[:] = list(calls), []
     run(make_tiny(enable_prefix_caching=False, max_num_batched_tokens=16), prompt, greedy(30, STREAM))
-    assert [p for p, _ in calls] == [p for p, _ in plain]       # RoPE positions: the true ones
+    # RoPE positions: the true ones (past the budget the prompt goes a block at a time)
+    assert [q for p, _ in calls for q in p] == [q for p, _ in plain for q in p]
     assert max(c for _, ctx in calls for c in ctx) <= 32 < max(c for _, ctx in plain for c in ctx)
 
 
@@ -269,7 +298,8 @@ def test_prefix_hits_are_cut_to_what_the_policy_could_hold(make_tiny):
         cached[name] = engine.scheduler.requests[rid].num_cached_tokens
         while engine.has_unfinished_requests():
             engine.step()
-    assert cached == {"plain": 96, "streaming": 32, "snapkv": 92}    # snapkv: 100 - 8, whole blocks
+    # streaming: whole blocks below its budget of 32; snapkv: 100 - 8, whole blocks
+    assert cached == {"plain": 96, "streaming": 28, "snapkv": 92}
 
 
 def test_engine_default_and_bad_combinations(make_tiny):

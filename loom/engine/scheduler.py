@@ -140,6 +140,7 @@ class Scheduler:
             if n <= 0:
                 continue
             if req.eviction is not None:
+                n = _limited(n, req.eviction.chunk_limit(req.kv_len, self.block_size))
                 moves += self._evict(req, n)
             alloc = self._allocate_draft(req, budget) if n == 1 and req.draft is not None else None
             if alloc is None:
@@ -218,6 +219,8 @@ class Scheduler:
             elif req.eviction is not None:
                 hit = self._evicting_hit(req, hit)
             n = max(0, min(req.compute_end - hit.num_tokens, budget))
+            if req.eviction is not None:
+                n = _limited(n, req.eviction.chunk_limit(hit.num_tokens, self.block_size))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:
                 self.kv.free(req.request_id)  # forget the lookup; retry next step
@@ -236,14 +239,15 @@ class Scheduler:
         return budget
 
     def _evicting_hit(self, req: Request, hit: PrefixHit) -> PrefixHit:
-        """A prefix hit cut for an evicting request: StreamingLLM takes at most its budget (cached
-        KV past it was computed over context the request would have evicted); SnapKV computes
+        """A prefix hit cut for an evicting request: StreamingLLM takes less than its budget (cached
+        KV past it was computed over context the request would have evicted, and the step after
+        the hit frees nothing); SnapKV computes
         its observation window itself (its queries are needed), the rest may come from the cache."""
         pol = req.eviction
         if pol.observes:
             limit = req.num_tokens - pol.params.window if req.num_tokens > pol.budget else hit.num_tokens
-        else:
-            limit = pol.budget
+        else:   # below the budget: the next token is computed before any block is freed, as cold
+            limit = pol.budget - 1
         k = min(hit.num_tokens, max(limit, 0)) // self.block_size
         return hit if k == len(hit.block_ids) else PrefixHit(hit.block_ids[:k], k * self.block_size)
 
@@ -348,3 +352,7 @@ class Scheduler:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         self.stats.kv_usage = self.kv.usage()
+
+
+def _limited(n: int, limit: int | None) -> int:
+    return n if limit is None else min(n, limit)

@@ -9,7 +9,7 @@ rest. Positions are the true ones throughout, as in the engine, and sliding-wind
 the kept entries within their window's positions (the private cache's slot i holds position i,
 so the KV list is also the list of the kept entries' positions).
 
-    streaming  chunks of `chunk` tokens, each seeing at most `budget` entries (kept + itself)
+    streaming  as if token by token: chunks end where the cache is full (`chunk_limit`)
     snapkv     [0, P - w) in chunks, [P - w, P) observed, then P.. over the kept prompt + itself
 """
 
@@ -26,18 +26,26 @@ from loom.model.layers.attention import AttentionMetadata
 from loom.model.runner import scoring_sequence
 
 
-def _chunks(T: int, policy: EvictionPolicy, prompt_len: int, chunk: int, prefill_chunk: int) -> list[tuple[int, int]]:
-    if not policy.observes:
-        return [(a, min(T, a + chunk)) for a in range(0, T, chunk)]
+def _observing_cuts(T: int, policy: EvictionPolicy, prompt_len: int, prefill_chunk: int) -> list[int]:
+    """Where an observing policy's chunks start (and T): the window [P - w, P) on its own."""
     w = min(policy.params.window, prompt_len)
     cuts = list(range(0, prompt_len - w, prefill_chunk)) + [prompt_len - w] + list(range(prompt_len, T, prefill_chunk))
-    cuts = sorted(set(c for c in cuts if c < T)) + [T]
-    return list(zip(cuts[:-1], cuts[1:]))
+    return sorted(set(c for c in cuts if c < T)) + [T]
+
+
+def _chunk_end(a: int, T: int, kv_len: int, policy: EvictionPolicy, cuts: list[int] | None, block_size: int,
+               prefill_chunk: int) -> int:
+    """The end of the chunk from `a`: the observing policy's next cut, or as far as the policy's
+    `chunk_limit` (and `prefill_chunk`) let a block-freeing one go, as the engine's scheduler."""
+    if cuts is not None:
+        return next(c for c in cuts if c > a)
+    limit = policy.chunk_limit(kv_len, block_size)
+    return min(T, a + prefill_chunk, a + (limit if limit is not None else T))
 
 
 @torch.inference_mode()
 def score_evicted(model, token_ids, first: int, policy: EvictionPolicy, prompt_len: int,
-                  kv_dtype: torch.dtype | KVFormat | None = None, chunk: int = 16, block_size: int = 16,
+                  kv_dtype: torch.dtype | KVFormat | None = None, block_size: int = 16,
                   prefill_chunk: int = 512, rows: int = 64) -> Iterator[torch.Tensor]:
     """Log-probabilities [r, V] (float32) of the next token at positions first .. T-2, `rows` at
     a time, in order (as `score_slices`), with `policy` cutting the KV list."""
@@ -45,7 +53,10 @@ def score_evicted(model, token_ids, first: int, policy: EvictionPolicy, prompt_l
     T = ids.shape[0]
     kept = slots[:0]                                                    # the KV list before the chunk
     observe_end = prompt_len if policy.observes and prompt_len > policy.budget else -1
-    for a, b in _chunks(T, policy, prompt_len, chunk, prefill_chunk):
+    cuts = _observing_cuts(T, policy, prompt_len, prefill_chunk) if policy.observes else None
+    a = 0
+    while a < T:
+        b = _chunk_end(a, T, kept.numel(), policy, cuts, block_size, prefill_chunk)
         drop = policy.blocks_to_drop(kept.numel(), b - a, block_size)
         if drop:
             gone = torch.zeros(kept.numel(), dtype=torch.bool)
@@ -67,3 +78,4 @@ def score_evicted(model, token_ids, first: int, policy: EvictionPolicy, prompt_l
         for r0 in range(max(a, first), min(b, T - 1), rows):
             r1 = min(b, T - 1, r0 + rows)
             yield model.compute_logits(hidden[r0 - a:r1 - a]).float().log_softmax(dim=-1)   # [r1 - r0, V]
+        a = b

@@ -29,6 +29,13 @@ class EvictionPolicy:
         """Block-table indices to free before a step that appends `num_new` entries to `kv_len`."""
         return []
 
+    def chunk_limit(self, kv_len: int, block_size: int) -> int | None:
+        """The most tokens the next chunk may compute at KV length `kv_len` so that each token
+        sees the entries it would see computed one by one (None: no limit). A token's KV then
+        never depends on how its prompt was cut into chunks: the step's token budget, a
+        prefix-cache hit, the other requests of the batch."""
+        return None
+
     def select(self, observed: list[tuple[torch.Tensor, int | None]], keys: Callable[[int], torch.Tensor],
                scale: float) -> list[int] | None:
         """KV indices to keep (ascending) once the prompt is computed, from each layer's observed

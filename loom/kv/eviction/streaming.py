@@ -1,7 +1,9 @@
 """StreamingLLM (Xiao et al., 2023): keep the attention sinks and a recent window.
 
 Block-granular: whole blocks between the sinks' blocks and the recent window are freed, oldest
-first, as soon as the cache would exceed the budget. The sinks are kept with the rest of their
+first, as soon as the cache would exceed the budget. A prompt is computed as if token by token:
+a chunk runs only until the cache is full (`chunk_limit`), so that how a prompt is cut into
+chunks changes no token's KV. The sinks are kept with the rest of their
 block(s), and a block is freed only when it lies wholly before the last `window` entries, so the
 cache holds at most budget + (sink blocks' spare slots) + one block; with the default window
 (what the budget leaves after the sinks) it never holds more than the budget once the sink
@@ -28,3 +30,10 @@ class StreamingEviction(EvictionPolicy):
         last = min(protected, kv_len) // block_size                 # blocks wholly before both
         candidates = range(first, last)
         return list(candidates[:-(-over // block_size)])
+
+    def chunk_limit(self, kv_len: int, block_size: int) -> int:
+        """Token by token, the cache frees blocks only when one more entry would exceed the
+        budget: after the drop the first token needs, the chunk may run until the cache is full
+        again (at least that one token)."""
+        kept = kv_len - len(self.blocks_to_drop(kv_len, 1, block_size)) * block_size
+        return max(1, self.budget - kept)
