@@ -557,6 +557,10 @@ def eval_(
     from rich.progress import Progress
 
     _check_eval_outputs(json_path, plot, kld or base is not None)
+    if base is not None and save_base is not None and base.resolve() == save_base.resolve():
+        raise LoomError(f"--base and --save-base name the same directory ({base}): save this run elsewhere")
+    if engine != "loom" and dtype != "auto":
+        raise LoomError(f"--dtype is loom's; --engine {engine} runs the GGUF's own types")
     from loom import eval as ev
     from loom.eval import report
 
@@ -583,9 +587,14 @@ def eval_(
     elif kld:
         reference = ev.open_source("loom", model=model, dtype="float32", threads=threads)
     save = ev.sources.BaseWriter(save_base, windows, source.vocab_size, source.label) if save_base else None
-    with Progress(console=err, transient=True) as bar:
-        task = bar.add_task(f"{source.label}: {len(windows)} windows of {context}", total=len(windows))
-        result = ev.evaluate(windows, source, reference, save, progress=lambda k: bar.advance(task))
+    try:
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task(f"{source.label}: {len(windows)} windows of {context}", total=len(windows))
+            result = ev.evaluate(windows, source, reference, save, progress=lambda k: bar.advance(task))
+    except BaseException:
+        if save is not None:
+            save.abort()
+        raise
     if save is not None:
         save.close()
     result.info.update(model=model, file=str(file), context=windows.context, stride=windows.stride,

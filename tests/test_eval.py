@@ -145,6 +145,8 @@ def test_cli_eval_errors_are_one_line(tiny_llama_path, tmp_path, content, messag
     (["--kld", "--plot", "{tmp}/missing/kld.png"], "--plot {tmp}/missing/kld.png: no such directory"),
     (["--plot", "{tmp}/kld.png"], "--plot: a KLD histogram needs --kld or --base"),
     (["--context", "600"], "--context 600 is longer than the model's context length of 512 tokens"),
+    (["--base", "{tmp}", "--save-base", "{tmp}/../{tmpname}"], "--base and --save-base name the same directory"),
+    (["--engine", "llama.cpp", "--dtype", "float32"], "--dtype is loom's"),
 ])
 def test_cli_eval_refuses_bad_outputs_and_context_before_the_model_loads(tiny_llama_path, tmp_path, monkeypatch,
                                                                           args, message):
@@ -156,11 +158,24 @@ def test_cli_eval_refuses_bad_outputs_and_context_before_the_model_loads(tiny_ll
     monkeypatch.setattr(loom.eval, "open_source", lambda *a, **k: opened.append(a))
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    args = [a.format(tmp=tmp_path) for a in args]
+    args = [a.format(tmp=tmp_path, tmpname=tmp_path.name) for a in args]
     r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32", *args])
     assert r.exit_code == 1, r.output
     assert message.format(tmp=tmp_path) in r.output and r.output.strip().count("\n") == 0, r.output
     assert opened == [] and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
+
+
+def test_an_interrupted_save_leaves_the_base_in_its_directory(exact_source, windows, tmp_path):
+    base = tmp_path / "base"
+    writer = BaseWriter(base, windows, exact_source.vocab_size, exact_source.label)
+    evaluate(windows, exact_source, save=writer)
+    writer.close()
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    again = BaseWriter(base, windows, exact_source.vocab_size, "another run")
+    again.add(torch.zeros(3, exact_source.vocab_size))
+    again.abort()                                      # as the CLI does on Ctrl-C or an error
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    BaseSource(base, windows)
 
 
 def test_cli_eval_ctrl_c_is_one_line_and_status_130(tiny_llama_path, tmp_path, monkeypatch):

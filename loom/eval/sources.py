@@ -11,6 +11,7 @@ Sources are registered by name in SOURCES; `open_source(name, **options)` builds
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -43,6 +44,9 @@ class LogprobSource(Protocol):
     def logprobs(self, window: Window) -> Iterator[torch.Tensor]: ...
 
 
+EVICTION_BLOCK = 16   # the block size score_evicted frees, the engine's default
+
+
 class LoomSource:
     """loom as `LLM(model, dtype=..., kv_cache_dtype=...)` computes a prompt: the same model
     backends, KV cache element type and prefill chunk size. With `kv_eviction` (a dict or
@@ -53,6 +57,11 @@ class LoomSource:
                  threads: int | None = None, kv_eviction: dict | KVEvictionParams | None = None,
                  prompt_tokens: int | None = None):
         load = LoadConfig(model=model, dtype=dtype, threads=threads)
+        self.eviction = make_policy(KVEvictionParams.create(kv_eviction))
+        if self.eviction is not None and self.eviction.budget < 2 * EVICTION_BLOCK:
+            raise LoomError(f"kv_eviction budget must be at least two KV blocks ({2 * EVICTION_BLOCK} tokens at "
+                            f"block_size {EVICTION_BLOCK}), as the engine's: eviction frees whole blocks; "
+                            f"got {self.eviction.budget}")
         if threads:
             torch.set_num_threads(threads)
         self.path = resolve_model(model)
@@ -63,7 +72,6 @@ class LoomSource:
         self.kv_dtype = kv_cache_format(kv_cache_dtype, self.model)
         self.chunk = chunk
         self.vocab_size = self.model.cfg.vocab_size
-        self.eviction = make_policy(KVEvictionParams.create(kv_eviction))
         self.prompt_tokens = prompt_tokens
         cut = "" if self.eviction is None else f", {self.eviction.name} {self.eviction.budget}"
         self.label = f"loom {dtype} (KV {self.kv_dtype.name}{cut})"
@@ -136,23 +144,37 @@ FLOOR_SPAN = 50.0
 
 class BaseWriter:
     """Writes a run's log-probabilities as a reference: DIR/logprobs.npy (uint16 [N, V], one row
-    per scored token, in order), DIR/scales.npy (float32 [N, 2]: floor, step) and DIR/meta.json,
-    the latter written last (a crash leaves no meta.json, so a half-written base is never read)."""
+    per scored token, in order), DIR/scales.npy (float32 [N, 2]: floor, step) and DIR/meta.json.
+    They are written as *.tmp files beside the ones they replace, their space taken up front
+    (a full disk is an error at the start, never a SIGBUS from a mapped page), and renamed into
+    place by `close`, meta.json last: an interrupted run leaves a base already in DIR as it was,
+    and a half-written base is never read (`abort` removes the *.tmp files)."""
+
+    FILES = ("logprobs.npy", "scales.npy")
 
     def __init__(self, path: Path, windows: Windows, vocab_size: int, label: str):
         self.dir = Path(path)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "meta.json").unlink(missing_ok=True)
-            self.rows = np.lib.format.open_memmap(self.dir / "logprobs.npy", mode="w+", dtype=np.uint16,
-                                                  shape=(windows.num_scored, vocab_size))
-            self.scales = np.lib.format.open_memmap(self.dir / "scales.npy", mode="w+", dtype=np.float32,
-                                                    shape=(windows.num_scored, 2))
+            self.rows = self._open("logprobs.npy", np.uint16, (windows.num_scored, vocab_size))
+            self.scales = self._open("scales.npy", np.float32, (windows.num_scored, 2))
         except OSError as e:
+            self.abort()
             raise LoomError(f"cannot write the base run to {self.dir}: {e.strerror or e}") from None
         self.meta = {"format": BASE_FORMAT, "label": label, "vocab_size": vocab_size, "rows": windows.num_scored,
                      "windows": windows_key(windows), "context": windows.context, "stride": windows.stride}
         self.at = 0
+
+    def _open(self, name: str, dtype, shape: tuple[int, int]) -> np.memmap:
+        tmp = self.dir / f"{name}.tmp"
+        rows = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=shape)
+        with open(tmp, "r+b") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, os.path.getsize(tmp))
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+        return rows
 
     def add(self, lp: torch.Tensor) -> None:
         hi = lp.max(dim=1, keepdim=True).values                              # [r, 1]
@@ -165,12 +187,24 @@ class BaseWriter:
         self.at += n
 
     def close(self) -> None:
-        self.rows.flush()
-        self.scales.flush()
-        del self.rows, self.scales
-        tmp = self.dir / "meta.json.tmp"
-        tmp.write_text(json.dumps(self.meta, indent=1))
-        os.replace(tmp, self.dir / "meta.json")
+        try:
+            self.rows.flush()
+            self.scales.flush()
+            del self.rows, self.scales
+            (self.dir / "meta.json").unlink(missing_ok=True)      # the old base is whole until here
+            for name in self.FILES:
+                os.replace(self.dir / f"{name}.tmp", self.dir / name)
+            tmp = self.dir / "meta.json.tmp"
+            tmp.write_text(json.dumps(self.meta, indent=1))
+            os.replace(tmp, self.dir / "meta.json")
+        except OSError as e:
+            self.abort()
+            raise LoomError(f"cannot write the base run to {self.dir}: {e.strerror or e}") from None
+
+    def abort(self) -> None:
+        """Removes what this run wrote; a base already in the directory stays as it was."""
+        for name in (*self.FILES, "meta.json"):
+            (self.dir / f"{name}.tmp").unlink(missing_ok=True)
 
 
 class BaseSource:
