@@ -298,8 +298,6 @@ class SamplingParams:
             allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
             if not 0 <= _int("prompt_logprobs", self.prompt_logprobs, allowed) <= MAX_LOGPROBS:
                 raise _fail("prompt_logprobs", self.prompt_logprobs, allowed)
-            if self.n > 1 or (self.best_of or 1) > 1:
-                raise InvalidRequestError("prompt_logprobs is computed once per prompt: use n = 1 without best_of")
         self.kv_eviction = KVEvictionParams.create(self.kv_eviction)
         if self.kv_eviction is not None and self.kv_eviction.enabled:
             if self.prompt_logprobs is not None:

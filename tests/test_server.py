@@ -439,6 +439,8 @@ BAD_REQUESTS = [
      400, "messages", "context"),
     ("kv-eviction-budget", COMPLETIONS, b'{"prompt": "hi", "kv_eviction": {"policy": "streaming", "budget": 4}}',
      400, "kv_eviction.budget", "two KV blocks"),
+    ("kv-eviction-pool", COMPLETIONS, b'{"prompt": "hi", "kv_eviction": {"policy": "streaming", "budget": 64, "pool": 3}}',
+     400, "kv_eviction.pool", "snapkv"),
     ("kv-eviction-with-n", COMPLETIONS, b'{"prompt": "hi", "n": 2, "kv_eviction": {"policy": "streaming", "budget": 64}}',
      400, "kv_eviction", "n > 1"),
     ("stream-options-without-stream", COMPLETIONS, b'{"prompt": "hi", "stream_options": {"include_usage": true}}',

@@ -13,10 +13,24 @@ streaming deltas never sees "<|im_end|>" or the stop id's "\n".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from loom.contracts import TokenLogprobs
 from loom.engine.request import Request, RequestStatus
 from loom.loader.tokenizer import IncrementalDetokenizer, Tokenizer
 from loom.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def append_prompt_logprobs(into: list[dict[int, Logprob] | None], prompt: Sequence[int], entries: list[TokenLogprobs],
+                           tokenizer: Tokenizer) -> None:
+    """Appends to `into` (vLLM's layout: None first, then one dict per prompt token) the
+    logprobs of the next prompt tokens, in order, the actual token always present."""
+    for e in entries:
+        tok = prompt[len(into)]
+        d = {tid: Logprob(lp, rank, tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(e.top, start=1)}
+        if tok not in d:
+            d = {tok: Logprob(e.logprob, e.rank, tokenizer.decode([tok])), **d}
+        into.append(d)
 
 
 class OutputState:
@@ -130,13 +144,7 @@ class OutputState:
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
         """Appends the logprobs of the next prompt tokens (in order), the actual token always present."""
-        prompt = self.req.prompt_token_ids
-        for e in entries:
-            tok = prompt[len(self.prompt_logprobs)]
-            d = {tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(e.top, start=1)}
-            if tok not in d:
-                d = {tok: Logprob(e.logprob, e.rank, self.tokenizer.decode([tok])), **d}
-            self.prompt_logprobs.append(d)
+        append_prompt_logprobs(self.prompt_logprobs, self.req.prompt_token_ids, entries, self.tokenizer)
 
     def add_logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> None:
         """Appends vLLM-layout logprobs: per token {id: Logprob}, the sampled token always present."""

@@ -361,6 +361,8 @@ class Engine:
         for rid, entries in result.prompt_logprobs.items():
             if rid in self.outputs:
                 self.outputs[rid].add_prompt_logprobs(entries)
+            else:   # the parent of n > 1 choices
+                self.groups.add_prompt_logprobs(rid, entries)
         touched = self.scheduler.update(plan, result)
         return self.groups.step(self._process_outputs(touched, result))
 

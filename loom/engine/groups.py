@@ -42,8 +42,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loom.contracts import FanOutOptions, TokenLogprobs, derive_seed
+from loom.engine.detokenize import append_prompt_logprobs
 from loom.engine.request import Request, RequestStatus, check_token_ids
-from loom.contracts import FanOutOptions, derive_seed
 from loom.errors import InvalidRequestError
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.sampling_params import SamplingParams
@@ -115,6 +116,9 @@ class _Group:
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     metrics: dict[int, RequestMetrics] = field(default_factory=dict)
     changed: set[int] = field(default_factory=set)
+    # with prompt_logprobs: the parent's, which computed every prompt position that predicts a
+    # prompt token (the children compute only the last), returned with every choice's output
+    prompt_logprobs: list | None = None
 
     @property
     def request_id(self) -> str:
@@ -153,6 +157,15 @@ class RequestGroups:
         prompt token, then `step` forks it into its children."""
         req.compute_limit = req.num_prompt_tokens - 1
         self.groups[req.request_id] = _Group(req, req.params, options or FanOutOptions())
+
+    def add_prompt_logprobs(self, request_id: str, entries: list[TokenLogprobs]) -> None:
+        """The next prompt tokens' logprobs, which a group's parent computed (see `_Group`)."""
+        group = self.groups.get(request_id)
+        if group is None or group.params.prompt_logprobs is None:
+            return
+        if group.prompt_logprobs is None:
+            group.prompt_logprobs = [None]
+        append_prompt_logprobs(group.prompt_logprobs, group.parent.prompt_token_ids, entries, self.engine.tokenizer)
 
     def step(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's outputs with the children's replaced by their groups' outputs."""
@@ -198,7 +211,8 @@ class RequestGroups:
 
     def _fork(self, group: _Group) -> None:
         params = group.params
-        child_params = params.clone(n=1, best_of=None, logprobs=0 if params.logprobs is None else params.logprobs)
+        child_params = params.clone(n=1, best_of=None, logprobs=0 if params.logprobs is None else params.logprobs,
+                                    prompt_logprobs=None)
         specs = [ChildSpec(self.engine.fresh_id(f"{group.request_id}/{i}"),
                            child_params.clone(seed=derive_seed(params.seed, i)), index=i)
                  for i in range(group.size)]
@@ -250,8 +264,9 @@ class RequestGroups:
         if group.params.logprobs is None:
             choices = [dataclasses.replace(c, logprobs=None) for c in choices]
         parent, metrics = group.parent, self._metrics(group, done)
+        prompt_lps = None if group.prompt_logprobs is None else list(group.prompt_logprobs)
         return [RequestOutput(group.request_id, parent.prompt, list(parent.prompt_token_ids), [c],
-                              done and i == len(choices) - 1, metrics, parent.num_cached_tokens)
+                              done and i == len(choices) - 1, metrics, parent.num_cached_tokens, prompt_lps)
                 for i, c in enumerate(choices)]
 
     @staticmethod
