@@ -106,6 +106,16 @@ def test_router_prefers_the_replica_holding_the_prefix_until_it_is_overloaded():
         chosen = await route(system + "Q4", 5)
         assert first not in chosen[0]
         assert router.routed_by_replica[first] == 2
+        for replica in replicas:        # one in flight, where the holder runs one at a time: it is full
+            replica.routing_stats = {"max_num_seqs": 1}
+            router.replica_queue_len_cache.update(replica.replica_id, 1 if replica.replica_id.unique_id == first
+                                                  else 0)
+        spill = (await route(system + "Q5", 6))[0]
+        assert first not in spill
+        for replica in replicas:
+            replica.routing_stats = {"max_num_seqs": 8}
+        sticky = await route(system + "Q6", 7)                                  # room again: a holder
+        assert len(sticky) == 1 and len(sticky[0]) == 1 and sticky[0][0] in {first, *spill}
 
     asyncio.run(run())
 
@@ -159,7 +169,8 @@ class _StatsRouter:
         return {"a": {}, "b": {}}
 
 
-def _forward(answers: _Answers, body: bytes) -> tuple:
+def _forward(answers: _Answers, body: bytes, drain: str | None = None) -> tuple:
+    """The ingress's answer to one POST; `drain`: "before" the request, or "during" its body."""
     from starlette.requests import Request
 
     from loom.cluster import registry
@@ -170,6 +181,7 @@ def _forward(answers: _Answers, body: bytes) -> tuple:
     ingress = object.__new__(LoomIngress)
     ingress.handle, ingress.settings = answers, IngressSettings(router="prefix-aware", max_body_bytes=1 << 20)
     ingress.retries, ingress.failures = __import__("collections").Counter(), 0
+    ingress.draining, ingress.open = drain == "before", 0
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
              "headers": [(b"content-type", b"application/json")]}
 
@@ -179,6 +191,7 @@ def _forward(answers: _Answers, body: bytes) -> tuple:
     async def run():
         response = await ingress.forward(Request(scope, receive))
         chunks = []
+        ingress.draining = ingress.draining or drain == "during"
         if hasattr(response, "body_iterator"):
             async for chunk in response.body_iterator:
                 chunks.append(chunk if isinstance(chunk, bytes) else chunk.encode())
@@ -224,6 +237,29 @@ def test_ingress_ends_a_stream_whose_replica_died_with_an_error_event():
     assert response.status_code == 200 and events[0] == 'data: {"n": 1}'
     assert '"code":"replica_failed"' in events[1] and events[2] == "data: [DONE]"
     assert ingress.failures == 1
+
+
+def test_a_stopping_ingress_refuses_new_requests_and_ends_open_streams():
+    from loom.cluster.forwarding import ResponseStart
+
+    sse = [(b"content-type", b"text/event-stream")]
+    stream = [ResponseStart(200, tuple(sse), "a"), b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n']
+    response, content, ingress = _forward(_Answers(list(stream)), b'{"prompt": "hi", "stream": true}', drain="during")
+    events = [e for e in content.decode().split("\n\n") if e]
+    assert response.status_code == 200 and "shutting down" in events[0] and events[1] == "data: [DONE]"
+    assert ingress.open == 0
+    response, _, ingress = _forward(_Answers(list(stream)), b'{"prompt": "hi"}', drain="before")
+    assert response.status_code == 503 and "retry-after" in response.headers and ingress.open == 0
+
+
+def test_cluster_stats_sum_the_replicas():
+    from loom.cluster.ingress import cluster_stats
+
+    rows = {r: {"stats": {"num_requests_running": 2, "prompt_tokens": 10 * i, "kv_cache_usage": 0.2 * i}}
+            for i, r in enumerate(("a", "b"), start=1)}
+    got = cluster_stats({"model": "m", "max_model_len": 64}, rows)
+    assert got["num_requests_running"] == 4 and got["prompt_tokens"] == 30 and got["model"] == "m"
+    assert got["kv_cache_usage"] == pytest.approx(0.3)
 
 
 # -- request marking, metrics, options -----------------------------------------------------------
@@ -341,6 +377,23 @@ def test_bad_cluster_options_are_one_line_errors(tiny_llama_path, args, message)
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_a_port_in_use_is_one_line_before_ray_starts(tiny_llama_path):
+    import socket
+
+    from typer.testing import CliRunner
+
+    from loom.cli import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), "--replicas", "1", "--threads", "1",
+                                          "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", result.stderr
 
 
 def test_a_missing_model_fails_before_ray_starts(tmp_path):

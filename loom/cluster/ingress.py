@@ -6,7 +6,9 @@ Ray Serve's HTTP proxy hands every request to this deployment's FastAPI app, whi
   `DeploymentHandle`, whose request router (router.py) picks the replica from the prompt's
   leading text (`forwarding.routing_text`);
 * answers /health (200 while a replica runs), /metrics (every replica's series with a
-  `replica` label, cluster.metrics) and /v1/loom/replicas (each replica's load and hits).
+  `replica` label, cluster.metrics), /v1/loom/replicas (each replica's load and hits) and
+  /v1/loom/stats (the single server's load figures, summed over the replicas); the last two
+  need the API key as /v1 does on a replica. /docs and /openapi.json are a replica's.
 
 Failures, per forwarded request:
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ class IngressSettings:
     max_body_bytes: int
     max_attempts: int = 4          # sends of one request: the first, then retries elsewhere
     cors: Cors | None = Cors()     # cross-origin access, answered here (the replicas add none)
+    api_key: str | None = None     # the routes answered here need it as the replicas' /v1 routes do
 
 
 class _ReplicaGone(Exception):
@@ -74,6 +78,8 @@ class LoomIngress:
         self.settings = settings
         self.retries: Counter[str] = Counter()
         self.failures = 0
+        self.draining = False     # the server is stopping: new requests 503, open streams end
+        self.open = 0             # requests being answered (streams until their last chunk)
         self.model_info = await replicas.info.remote()   # waits for a replica; starts the router
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -92,8 +98,30 @@ class LoomIngress:
             routed.update(router.routed_by_replica)
         return dict(routed)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Called as the server stops: new requests get a 503, each open stream ends with an
+        error event (as the single server's do), and answers under way get up to `timeout_s`."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.open and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+
     # -- forwarding ----------------------------------------------------------------------
     async def forward(self, request: Request) -> Response:
+        if self.draining:
+            return _unavailable("the server is shutting down")
+        self.open += 1
+        try:
+            response = await self._forward(request)
+        except BaseException:
+            self.open -= 1
+            raise
+        if isinstance(response, StreamingResponse):   # counted until the relay's last chunk
+            return response
+        self.open -= 1
+        return response
+
+    async def _forward(self, request: Request) -> Response:
         body = await request.body()
         text, stream = routing_text(body) if request.method == "POST" else ("", False)
         req = ForwardedRequest(request.method, request.url.path, request.scope.get("query_string", b""),
@@ -165,9 +193,15 @@ async def _collect(gen: DeploymentResponseGenerator, start: ResponseStart) -> Re
 
 
 async def _relay(gen: DeploymentResponseGenerator, ingress: LoomIngress) -> AsyncIterator[bytes]:
-    """A stream's body; a replica that dies mid-stream ends it with an error event and [DONE]."""
+    """A stream's body; a replica that dies mid-stream, or the server stopping, ends it with an
+    error event and [DONE]."""
     try:
         async for chunk in gen:
+            if ingress.draining:
+                yield event({"error": {"message": "the server is shutting down; the request was stopped",
+                                       "type": "server_error", "param": None, "code": None}}).encode()
+                yield DONE.encode()
+                return
             yield chunk
     except RayError as e:
         ingress.failures += 1
@@ -176,13 +210,39 @@ async def _relay(gen: DeploymentResponseGenerator, ingress: LoomIngress) -> Asyn
                                "type": "server_error", "param": None, "code": "replica_failed"}}).encode()
         yield DONE.encode()
     finally:
+        ingress.open -= 1
         gen.cancel()
 
 
+def _unauthorized(request: Request, api_key: str | None) -> Response | None:
+    """The replicas' 401 for a request without the API key (None when it may pass)."""
+    if api_key is None:
+        return None
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode()):
+        return None
+    return error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                          type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+_SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",
+                 "generation_tokens", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def cluster_stats(info: dict[str, Any], stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """/v1/loom/stats for the whole endpoint: the replicas' counts summed, their KV use averaged."""
+    rows = [s.get("stats", {}) for s in stats.values()]
+    out: dict[str, Any] = {"model": info.get("model"), "max_model_len": info.get("max_model_len")}
+    out.update({k: sum(int(r.get(k, 0)) for r in rows) for k in _SUMMED_STATS})
+    out["kv_cache_usage"] = sum(float(r.get("kv_cache_usage", 0.0)) for r in rows) / max(1, len(rows))
+    return out
+
+
 def build_ingress_app(ingress: LoomIngress) -> FastAPI:
-    app = FastAPI(title="loom cluster", version=loom.__version__,
-                  description="OpenAI-compatible completions and chat completions served by loom replicas.")
+    # no docs of its own: /docs and /openapi.json go to a replica, which documents the API
+    app = FastAPI(title="loom cluster", version=loom.__version__, openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_body_bytes=ingress.settings.max_body_bytes)
+    api_key = ingress.settings.api_key
 
     @app.get("/health")
     async def health() -> Response:
@@ -200,13 +260,23 @@ def build_ingress_app(ingress: LoomIngress) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/loom/replicas")
-    async def replicas() -> Response:
+    async def replicas(request: Request) -> Response:
         """Extension: each replica's id, process, load and prefix-cache counters."""
+        if (denied := _unauthorized(request, api_key)) is not None:
+            return denied
         stats = ingress.replica_stats()
         routed = ingress.routed()
         return JSONResponse({"router": ingress.settings.router, "model": ingress.model_info.get("model"),
-                             "replicas": [{**{k: v for k, v in s.items() if k != "metrics"}, "replica": r,
-                                           "routed_requests": routed.get(r, 0)} for r, s in sorted(stats.items())]})
+                             "replicas": [{**{k: v for k, v in s.items() if k not in ("metrics", "stats")},
+                                           "replica": r, "routed_requests": routed.get(r, 0)}
+                                          for r, s in sorted(stats.items())]})
+
+    @app.get("/v1/loom/stats")
+    async def stats(request: Request) -> Response:
+        """The single server's load figures (the playground polls them), over every replica."""
+        if (denied := _unauthorized(request, api_key)) is not None:
+            return denied
+        return JSONResponse(cluster_stats(ingress.model_info, ingress.replica_stats()))
 
     @app.api_route("/{path:path}", methods=_METHODS, include_in_schema=False)
     async def forward(request: Request) -> Response:

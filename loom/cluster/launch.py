@@ -13,8 +13,10 @@ an existing cluster (`--ray-address`) only this command's application is removed
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
+import socket
 import time
 from typing import Any
 
@@ -38,10 +40,12 @@ log = logging.getLogger("loom.cluster")
 
 APP_NAME = "loom"
 LOCAL_OBJECT_STORE_BYTES = 128 << 20   # requests and answers are small; the models live in the replicas
+DRAIN_SECONDS = 5.0                    # at a stop, what open requests get to finish or end their streams
 
 
-class _Stop(Exception):
-    """SIGINT or SIGTERM arrived."""
+class _Stop(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived. A KeyboardInterrupt: Ray's native code, which checks for
+    signals while it waits, lets only that kind through (anything else became a SystemError)."""
 
 
 def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
@@ -54,23 +58,28 @@ def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "12
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     _check_model(config)
     cluster.check_before_ray()
-    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     local = cluster.ray_address is None
+    if local:
+        _check_port(host, port)
+    signals = _Signals()
+    previous = {sig: signal.signal(sig, signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         _init_ray(cluster, log_level)
-        signal.signal(signal.SIGINT, _raise_stop)     # ray.init may install its own handlers
-        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, signals.handle)     # ray.init may install its own handlers
+        signal.signal(signal.SIGTERM, signals.handle)
+        signals.check()
         _check_capacity(cluster)
         spec = ReplicaSpec(config, api_key=api_key, served_model_name=served_model_name,
                            max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
-        serve.start(http_options={"host": host, "port": port},
-                    logging_config={"log_level": "WARNING" if log_level != "debug" else "DEBUG"})
+        _start_serve(host, port, log_level)
+        signals.check()
         _deploy(build_application(spec, cluster, max_body_bytes, access_log, log_level, cors))
+        signals.serving()
         log.info("serving %s on http://%s:%d with %d replica(s) x %d thread(s), %s routing",
                  config.load.model, host, port, cluster.replicas, cluster.threads, cluster.router)
         while True:
             time.sleep(3600)
-    except _Stop:
+    except (KeyboardInterrupt, SystemExit):   # ours; Ray's handler during ray.init exits with the signal
         log.info("stopping the replicas")
     finally:
         for sig in previous:   # a second Ctrl-C must not cut the clean-up short
@@ -94,11 +103,53 @@ def build_application(spec: ReplicaSpec, cluster: ClusterConfig, max_body_bytes:
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=UNBOUNDED_ONGOING,
         logging_config=logging_config)
     return ingress.bind(replicas.bind(spec), IngressSettings(router=cluster.router, max_body_bytes=max_body_bytes,
-                                                             cors=cors))
+                                                             cors=cors, api_key=spec.api_key))
 
 
-def _raise_stop(signum: int, frame: Any) -> None:
-    raise _Stop()
+class _Signals:
+    """SIGINT / SIGTERM. While Ray starts, a stop waits for the step under way (a Ray call cut
+    by an exception had left its native state broken: aborts and segfaults at the shutdown,
+    processes behind) and a second signal quits at once; once serving, a stop is immediate."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.running = False
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.running:
+            raise _Stop()
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+        log.warning("stopping once the step of the start-up under way ends (again to quit at once)")
+
+    def check(self) -> None:
+        if self.requested:
+            raise _Stop()
+
+    def serving(self) -> None:
+        self.check()
+        self.running = True
+
+
+def _check_port(host: str, port: int) -> None:
+    """The local Ray's HTTP proxy listens on host:port: a port in use is one line before Ray starts."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        raise ClusterConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _start_serve(host: str, port: int, log_level: str) -> None:
+    try:
+        serve.start(http_options={"host": host, "port": port},
+                    logging_config={"log_level": "WARNING" if log_level != "debug" else "DEBUG"})
+    except ray.exceptions.RayError as e:
+        bind = re.search(r"Failed to bind to address[^\n]*", str(e))
+        raise LoomError(f"cannot start the HTTP proxy on {host}:{port}: "
+                        f"{bind.group(0) if bind else str(e).splitlines()[0]}") from None
 
 
 def _check_model(config: EngineConfig) -> None:
@@ -172,13 +223,25 @@ def _deploy_error(text: str) -> str:
 
 
 def _stop(local: bool) -> None:
-    if not ray.is_initialized():
-        return
+    """Ends open streams with an error event (the ingress drains), then the application; a local
+    Ray is shut down even when it was stopped half-way through starting (its processes would be
+    left behind)."""
+    if ray.is_initialized():
+        _drain()
+        try:
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        except Exception as e:  # noqa: BLE001 - Ray is going away anyway
+            log.warning("stopping the Serve application failed: %s", e)
+    if local or ray.is_initialized():
+        ray.shutdown()
+
+
+def _drain(timeout_s: float = DRAIN_SECONDS) -> None:
     try:
-        if local:
-            serve.shutdown()
-        else:
-            serve.delete(APP_NAME)
-    except Exception as e:  # noqa: BLE001 - Ray is going away anyway
-        log.warning("stopping the Serve application failed: %s", e)
-    ray.shutdown()
+        handle = serve.get_deployment_handle("LoomIngress", app_name=APP_NAME)
+        handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 5)
+    except Exception as e:  # noqa: BLE001 - not deployed yet, or already gone: nothing to drain
+        log.debug("draining the ingress: %s", e)

@@ -66,6 +66,7 @@ class LoomReplica:
         await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
         self.pid = os.getpid()
         self.node = ray.get_runtime_context().get_node_id()
+        self.max_num_seqs = spec.config.scheduler.max_num_seqs
 
     async def forward(self, req: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         async for item in run_asgi(self.app, req, self.replica):
@@ -79,9 +80,14 @@ class LoomReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         s = await asyncio.to_thread(sample_engine, self.client)
         exposition = await asyncio.to_thread(self.app.state.metrics.exposition)
+        stats = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
+                 "kv_cache_usage": s.kv_usage, "num_preemptions": s.num_preemptions, "prompt_tokens": s.prompt_tokens,
+                 "generation_tokens": s.generation_tokens, "prefix_cache_queries": s.prefix_cache_queries,
+                 "prefix_cache_hits": s.prefix_cache_hits}
         return {"replica": self.replica, "pid": self.pid, "node": self.node, "num_running": s.num_running,
-                "num_waiting": s.num_waiting, "kv_usage": s.kv_usage,
+                "num_waiting": s.num_waiting, "kv_usage": s.kv_usage, "max_num_seqs": self.max_num_seqs,
                 "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+                "stats": stats,
                 "healthy": self.client.error is None, "metrics": exposition.decode()}
 
     def check_health(self) -> None:

@@ -7,7 +7,8 @@ the ingress's `DeploymentHandle` routes each forwarded request.
     keys  = the prompt's chained block keys (prefix_index.prefix_keys)
     load  = requests in flight on each candidate (Ray's queue-length cache of this handle)
     depth = leading blocks each candidate served recently (PrefixIndex.match)
-    if a candidate holds a prefix and its load <= the least load + imbalance_threshold:
+    if a candidate holds a prefix and its load <= the least load + imbalance_threshold,
+            and it is not full (load >= its max_num_seqs) while another has room:
         [[that candidate]]                              # sticky: its KV cache has the prefix
     elif the loads are balanced:
         [[least loaded, ties to the replica holding fewest keys]]
@@ -128,7 +129,8 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
             best = max(depth.values())
             if best > 0:
                 top = [r for r in by_load if depth[r.replica_id] == best]
-                if loads[top[0].replica_id] <= least + self.imbalance_threshold:
+                if loads[top[0].replica_id] <= least + self.imbalance_threshold and not (
+                        self._full(top[0], loads) and not self._full(by_load[0], loads)):
                     self.num_prefix_routed += 1
                     return self._ranks(top[0], by_load, pending_request)
         if max(loads.values()) - least <= self.imbalance_threshold:
@@ -136,6 +138,13 @@ class PrefixAwareRouter(_StatsMixin, RequestRouter):
             first = min(by_load, key=lambda r: (loads[r.replica_id], sizes.get(r.replica_id, 0), random.random()))
             return self._ranks(first, by_load, pending_request)
         return [random.sample(candidates, 2)]
+
+    @staticmethod
+    def _full(replica: RunningReplica, loads: dict) -> bool:
+        """The replica runs as many requests as it can at once (its `max_num_seqs`, from its
+        routing stats): a new one would wait in its queue."""
+        cap = (getattr(replica, "routing_stats", None) or {}).get("max_num_seqs")
+        return cap is not None and loads[replica.replica_id] >= cap
 
     def _ranks(self, first: RunningReplica, by_load: list[RunningReplica],
                pending: PendingRequest | None) -> list[list[RunningReplica]]:
