@@ -12,6 +12,7 @@ import json
 import pickle
 import signal
 import threading
+import time
 
 import httpx
 import psutil
@@ -266,6 +267,28 @@ def test_signal_stops_every_process(long_model, tmp_path, sig) -> None:
         assert server.process.wait(timeout=30) in (0, -sig, 128 + sig)
         gone, alive = psutil.wait_procs(kids, timeout=15)
         assert not alive, f"left behind: {[p.pid for p in alive]}"
+        assert not server.logged_tracebacks()
+    finally:
+        server.stop()
+
+
+def test_a_non_streamed_answer_under_way_at_a_stop_is_a_503(long_model, tmp_path) -> None:
+    """As a stream ends with an error event, a non-streamed answer is a JSON 503 at once, not a
+    plain-text 500 once the graceful shutdown's time is out."""
+    import concurrent.futures
+
+    server = start("stop-non-streamed", long_model, tmp_path)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=60,
+                                 json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True})
+            deadline = time.monotonic() + 30
+            while _running(server) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.process.send_signal(signal.SIGTERM)
+            r = answer.result(timeout=30)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
         assert not server.logged_tracebacks()
     finally:
         server.stop()

@@ -332,6 +332,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.created = int(time.time())
         self.open_streams: set[ChoiceGroup] = set()   # ended by stop_streams when the server stops
+        self.open_answers: set[ChoiceGroup] = set()   # non-streamed: a 503 then, not a cancelled task's 500
 
     # -- request checks -------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -369,13 +370,14 @@ class OpenAIServing:
             kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True))
 
     # -- running a group ---------------------------------------------------------------------
-    @staticmethod
-    async def collect(group: ChoiceGroup, request: Request) -> list[RequestOutput]:
+    async def collect(self, group: ChoiceGroup, request: Request) -> list[RequestOutput]:
         group.watch(request)
+        self.open_answers.add(group)
         try:
             await group.admitted()
             return await group.final_outputs()
         finally:
+            self.open_answers.discard(group)
             group.close()
 
     async def open_stream(self, group: ChoiceGroup, request: Request, events: AsyncIterator[str]) -> Response:
@@ -395,9 +397,10 @@ class OpenAIServing:
         return EventStreamResponse(events, on_close=closed)
 
     def stop_streams(self) -> None:
-        """The server is stopping: every open stream ends now with an error event and [DONE],
-        rather than holding the graceful shutdown until it is cancelled."""
-        for group in list(self.open_streams):
+        """The server is stopping: every open stream ends now with an error event and [DONE], and
+        every non-streamed answer under way is a 503 saying so, rather than holding the graceful
+        shutdown until it is cancelled (a plain-text 500)."""
+        for group in [*self.open_streams, *self.open_answers]:
             group.stop()
 
     def usage(self, finals: list[RequestOutput | None], n: int, predicted: bool = False,
