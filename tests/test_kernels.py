@@ -64,6 +64,22 @@ def test_a_build_is_imported_under_a_name_of_its_own():
     assert module.__name__ == f"loom_kernels_{kernels.variant()}_{kernels.build_key()}"
 
 
+@needs_kernels
+def test_a_build_killed_half_way_leaves_no_lock_that_holds_the_next_start(monkeypatch, tmp_path):
+    """torch's build lock file, left by a build killed mid-compile, is stale under loom's own
+    flock (which dies with its holder): the next load removes it and goes on."""
+    import shutil
+
+    variant = kernels.variant()
+    built = kernels._build_dir(variant)
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path))
+    copy = kernels._build_dir(variant)
+    shutil.copytree(built, copy)
+    (copy / "lock").touch()
+    module = kernels.build(variant)
+    assert module.build_key == copy.name and not (copy / "lock").exists()
+
+
 def test_loom_kernels_switch_names_the_choices_and_the_missing_flags(monkeypatch):
     avx2_only = frozenset({"avx2", "fma", "f16c"})
     monkeypatch.setattr(kernels, "cpu_flags", lambda: avx2_only)

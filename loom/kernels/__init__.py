@@ -30,8 +30,10 @@ CPU it was not compiled for. `python -m loom.kernels` builds it ahead of time (`
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import threading
 from pathlib import Path
@@ -40,6 +42,8 @@ import torch
 
 from loom.errors import LoomError
 from loom.kernels.cpu import cpu_flags
+
+log = logging.getLogger("loom.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 HEADERS = sorted(CSRC.glob("*.h"))   # included by both sources
@@ -126,19 +130,30 @@ def build(variant: str, verbose: bool = False):
     # otherwise both be whichever was imported first.
     name = f"loom_kernels_{variant}_{d.name}"
     built = d / f"{name}.so"
-    module = None
-    if built.is_file() and not (d / "lock").exists():
-        try:
-            module = _import_built(name, built)
-        except ImportError:
-            pass   # an unusable file: build it again
+    module = _import_if_built(name, built) if built.is_file() and not (d / "lock").exists() else None
     if module is None:
-        from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
         d.mkdir(parents=True, exist_ok=True)
-        module = cpp_load(name=name, sources=[str(VARIANTS[variant][0])], build_directory=str(d),
-                          extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
+        # Builds take an flock of their own, which the kernel releases when its holder dies: torch's
+        # lock file, which a build killed half-way leaves behind, made every later start wait for
+        # it forever. Under the flock, such a file is stale.
+        with open(d / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (d / "lock").unlink(missing_ok=True)
+            module = _import_if_built(name, built) if built.is_file() else None   # another process built it
+            if module is None:
+                from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
+                log.warning("compiling loom's %s kernels for this CPU into %s (once; about a minute)", variant, d)
+                module = cpp_load(name=name, sources=[str(VARIANTS[variant][0])], build_directory=str(d),
+                                  extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
     module.build_key = d.name   # what it was built from, as loaded (the sources may change later)
     return module
+
+
+def _import_if_built(name: str, built: Path):
+    try:
+        return _import_built(name, built)
+    except ImportError:
+        return None   # an unusable file: build it again
 
 
 def load(verbose: bool = False):
@@ -154,9 +169,12 @@ def load(verbose: bool = False):
             raise
         _tried = True
         if variant is None:
-            _reason = ("disabled by LOOM_KERNELS=0" if os.environ.get("LOOM_KERNELS", "").strip() == "0" else
+            disabled = os.environ.get("LOOM_KERNELS", "").strip() == "0"
+            _reason = ("disabled by LOOM_KERNELS=0" if disabled else
                        "this CPU has neither " + " nor ".join(f"{n} ({', '.join(f)})"
                                                               for n, f in REQUIRED_FLAGS.items()))
+            if not disabled:
+                log.warning("loom's kernels do not run here (%s): torch's slower kernels instead", _reason)
             return None
         try:
             _module = build(variant, verbose)
@@ -164,6 +182,7 @@ def load(verbose: bool = False):
         except Exception as e:  # no compiler, no ninja, a build error: fall back to torch
             _reason = f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
             _module = None
+            log.warning("loom's kernels are unavailable (%s): torch's slower kernels instead", _reason)
         return _module
 
 
