@@ -272,6 +272,25 @@ def test_signal_stops_every_process(long_model, tmp_path, sig) -> None:
         server.stop()
 
 
+def test_a_single_server_on_a_port_in_use_fails_before_the_model_loads(tiny_llama_path, monkeypatch):
+    import socket
+
+    from typer.testing import CliRunner
+
+    import loom.server.serve
+    from loom.cli import app
+
+    loaded = []
+    monkeypatch.setattr(loom.server.serve, "engine_client", lambda *a, **k: loaded.append(a))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), "--port", str(port)])
+    assert result.exit_code == 1 and loaded == []
+    assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", result.stderr
+
+
 def test_a_non_streamed_answer_under_way_at_a_stop_is_a_503(long_model, tmp_path) -> None:
     """As a stream ends with an error event, a non-streamed answer is a JSON 503 at once, not a
     plain-text 500 once the graceful shutdown's time is out."""

@@ -2,19 +2,21 @@
 
 By default the engine runs in its own process (`loom/server/engine_core.py`) and this process
 is the HTTP front end; `engine_process=False` keeps the engine on a thread of this process.
-The model is loaded before the socket is bound, so a bad model path fails the command with
-its `LoomError` message instead of a half-started server; uvicorn logs the address once it
-listens. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process. An engine process
+The socket is bound first (a port in use or a host that does not resolve is one line at once),
+then the model is loaded, so a bad model path fails the command with its `LoomError` message
+instead of a half-started server; uvicorn listens and logs the address once it is loaded. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process. An engine process
 that dies while serving is replaced (`engine_restarts`, see ProcessEngineClient).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 
 import uvicorn
 
 from loom.config import EngineConfig
+from loom.errors import LoomError
 from loom.server.engine_client import DEFAULT_ENGINE_RESTARTS, engine_client
 from loom.server.limits import Cors
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
@@ -42,13 +44,36 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                engine_restarts: int = DEFAULT_ENGINE_RESTARTS) -> None:
     """Loads the model of `config` and serves it until interrupted (Ctrl-C / SIGTERM)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    client = engine_client(config, engine_process=engine_process, log_level=log_level,
-                           engine_restarts=engine_restarts)
+    sock = listen(host, port)   # before the model loads: a port in use is one line at once
     try:
-        app = build_app(client, api_key=api_key, served_model_name=served_model_name,
-                        max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, cors=cors)
-        server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                        access_log=access_log, timeout_graceful_shutdown=5))
-        server.run()
+        client = engine_client(config, engine_process=engine_process, log_level=log_level,
+                               engine_restarts=engine_restarts)
+        try:
+            app = build_app(client, api_key=api_key, served_model_name=served_model_name,
+                            max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, cors=cors)
+            server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            access_log=access_log, timeout_graceful_shutdown=5))
+            server.run(sockets=[sock])
+        finally:
+            client.shutdown()
     finally:
-        client.shutdown()
+        sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (as uvicorn binds it); LoomError when it cannot be."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+    except (OSError, socket.gaierror) as e:
+        raise LoomError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
