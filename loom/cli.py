@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
+import loom
 from loom.errors import LoomError
 from loom.loader import registry
 
@@ -52,6 +53,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"loom {loom.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+                                          help="Print loom's version and exit.")) -> None:
+    """loom: LLM inference and serving on CPUs."""
 
 
 @app.command()
@@ -300,7 +313,7 @@ def serve(
                                        help="Require 'Authorization: Bearer KEY' on /v1/*."),
     served_model_name: str | None = typer.Option(
         None, help="Name clients send as `model` (default: the registry name, or the .gguf file stem)."),
-    threads: int | None = typer.Option(None, "--threads", "-t", min=1, help="torch threads (default: physical cores)."),
+    threads: int | None = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (default: physical cores)."),
     dtype: str | None = typer.Option(None, help="float32 (exact), bfloat16 or auto (fastest); "
                                                 "default: the engine's default."),
     max_num_seqs: int | None = typer.Option(None, min=1, help="Sequences running at once."),
@@ -475,7 +488,7 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most probable tokens (0: all)."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the request's sampler (reproducible output)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    threads: int | None = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
     speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
@@ -548,7 +561,7 @@ def eval_(
                                                           "default reference: loom float32, computed alongside)."),
     save_base: Path | None = typer.Option(None, "--save-base", help="Save this run's log-probabilities into "
                                                                     "this directory, as a reference for later runs."),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
+    threads: int | None = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG histogram of per-token KLD here."),
 ) -> None:

@@ -178,3 +178,10 @@ def test_generate_chat_on_smollm2(real_models):
     ref, _ = expected(real_models.engine("smollm2-135m"), "What is the capital of France?", chat=True,
                       temperature=0.0, max_tokens=16)
     assert "Paris" in ref
+
+
+def test_version_and_the_short_thread_option():
+    r = loom_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip().startswith("loom ")
+    for command in ("generate", "eval", "serve", "bench"):
+        assert "-t" in loom_cli(command, "--help").stdout.split("--threads", 1)[1].split("\n", 1)[0]
