@@ -339,6 +339,9 @@ def serve(
                                     'kv_eviction wins, {"policy": "none"} opts out).'),
     max_tokens_limit: int | None = typer.Option(None, min=1,
                                                 help="Largest max_tokens a request may ask for (larger: 400)."),
+    chat_template: str | None = typer.Option(
+        None, "--chat-template", help="A Jinja chat template in place of the model's: a file, or the template "
+                                      "itself (a base model without one then takes chat requests)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Log one line per request."),
@@ -390,12 +393,29 @@ def serve(
         _start_engine_fork_server()
     front = dict(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                  max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, log_level=log_level,
-                 access_log=access_log, cors=_cors(allowed_origins, allow_credentials))
+                 access_log=access_log, cors=_cors(allowed_origins, allow_credentials),
+                 chat_template=_chat_template(chat_template))
     if cluster is not None:
         from loom.cluster.launch import run_cluster
 
         return run_cluster(config, cluster, **front)
     _serve_here(config, engine_process, front, engine_restarts)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template as given; checked to compile before the
+    model loads."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    looks_like_path = "{" not in value and "\n" not in value
+    if looks_like_path and not path.is_file():
+        raise LoomError(f"--chat-template {value}: no such file (give a template file, or the template itself)")
+    source = path.read_text() if looks_like_path else value
+    from loom.loader.chat_template import ChatTemplate
+
+    ChatTemplate(source, "--chat-template")   # TokenizerError (one line) when it does not compile
+    return source
 
 
 def _cors(origins: str, credentials: bool):

@@ -78,3 +78,28 @@ def test_chat_answer_streams_into_the_page(server_pool, browser) -> None:
     assert int(browser.find_element(By.ID, "stat-answer-tokens").text) >= 2
     wait.until(lambda d: d.find_element(By.ID, "stat-kv").text.endswith("%"))
     assert browser.find_element(By.ID, "stat-running").text.isdigit()
+
+
+def test_a_model_without_a_chat_template_gets_completion_mode(server_pool, browser) -> None:
+    """A base model (no chat template: every chat request is a 400) is continued over
+    /v1/completions instead, and the page says so."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from conftest import STRICT_API_KEY
+
+    server = server_pool.get("strict")         # the tiny SentencePiece llama: no chat template
+    browser.get(f"{server.url}/")
+    browser.execute_script(f"sessionStorage.setItem('loom.apiKey', '{STRICT_API_KEY}')")
+    browser.refresh()
+    wait = WebDriverWait(browser, 90, poll_frequency=0.05)
+    wait.until(lambda d: "/v1/completions" in d.find_element(By.ID, "status").text)
+    element = browser.find_element(By.ID, "max-tokens")
+    element.clear()
+    element.send_keys("8")
+    browser.find_element(By.ID, "prompt").send_keys("the cat sat on")
+    browser.find_element(By.ID, "send").click()
+    answer = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))[-1]
+    wait.until(lambda d: answer.get_attribute("data-state") != "streaming", message="the answer never finished")
+    assert answer.get_attribute("data-state") == "done", answer.text
+    assert int(browser.find_element(By.ID, "stat-answer-tokens").text) >= 1

@@ -707,3 +707,29 @@ def test_tokenizer_endpoints(tiny: LoomServer) -> None:
         assert resp.status_code in (400, 404) and param in resp.text, body
     bad = httpx.post(f"{tiny.url}/detokenize", json={"tokens": [10 ** 9]})
     assert bad.status_code == 400 and "vocabulary" in bad.text
+
+
+def test_a_chat_template_given_to_the_server_replaces_the_model_s(tiny_llama_path, tmp_path) -> None:
+    """vLLM's --chat-template: a file or the template itself; a bad one is one line before the
+    model loads."""
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from loom.cli import _chat_template, app
+    from loom.config import EngineConfig
+    from loom.engine.async_engine import AsyncEngine
+    from loom.engine.engine import Engine
+    from loom.server.in_process import InProcessEngineClient
+    from loom.server.openai_api import build_app
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    engine = Engine(EngineConfig.create(str(tiny_llama_path), num_blocks=64, threads=1))
+    with TestClient(build_app(InProcessEngineClient(AsyncEngine(engine)),
+                              chat_template=_chat_template(str(template)))) as http:
+        ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert http.get("/tokenizer_info").json()["chat_template"] == template.read_text()
+    assert engine.tokenizer.decode(ids).endswith("user: hi\nassistant:")
+    for bad, message in (("{% for %}", "--chat-template"), (str(tmp_path / "missing.jinja"), "no such file")):
+        result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), "--chat-template", bad])
+        assert result.exit_code == 1 and message in result.stderr, result.stderr

@@ -51,7 +51,8 @@ class _Stop(KeyboardInterrupt):
 def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None, served_model_name: str | None = None,
                 max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                log_level: str = "info", access_log: bool = True, cors: Cors | None = Cors()) -> None:
+                log_level: str = "info", access_log: bool = True, cors: Cors | None = Cors(),
+                chat_template: str | None = None) -> None:
     """Serves `config`'s model on `cluster.replicas` Ray Serve replicas until interrupted."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if log_level != "debug":
@@ -70,7 +71,8 @@ def run_cluster(config: EngineConfig, cluster: ClusterConfig, *, host: str = "12
         signals.check()
         _check_capacity(cluster)
         spec = ReplicaSpec(config, api_key=api_key, served_model_name=served_model_name,
-                           max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes)
+                           max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes,
+                           chat_template=chat_template)
         _start_serve(host, port, log_level)
         signals.check()
         _deploy(build_application(spec, cluster, max_body_bytes, access_log, log_level, cors))

@@ -48,6 +48,7 @@ class ReplicaSpec:
     served_model_name: str | None = None
     max_tokens_limit: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    chat_template: str | None = None
 
 
 class LoomReplica:
@@ -61,7 +62,7 @@ class LoomReplica:
             raise ReplicaLoadError(f"{type(e).__name__}: {e}") from None
         self.app = build_app(self.client, api_key=spec.api_key, served_model_name=spec.served_model_name,
                              max_tokens_limit=spec.max_tokens_limit, max_body_bytes=spec.max_body_bytes,
-                             cors=None)   # the ingress answers cross-origin requests
+                             cors=None, chat_template=spec.chat_template)   # the ingress answers CORS
         self._stack = AsyncExitStack()
         await self._stack.enter_async_context(self.app.router.lifespan_context(self.app))
         self.pid = os.getpid()

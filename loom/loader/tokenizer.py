@@ -384,6 +384,12 @@ class Tokenizer:
         return self._chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
                                                          special_tokens=self.named_tokens, **kwargs)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replaces the model's chat template (`loom serve --chat-template`); TokenizerError when
+        the template does not compile."""
+        template = ChatTemplate(source, self.name)
+        self.chat_template, self._template, self._template_error = source, template, None
+
     def _chat_template(self, source: str | None) -> ChatTemplate:
         """The model's compiled template, or `source` compiled (kept for the next call)."""
         if source is not None:

@@ -803,7 +803,7 @@ def _finish_openapi(app: FastAPI, chunk_models: list[type], **limits: Any) -> No
 
 def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name: str | None = None,
               max_tokens_limit: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              cors: Cors | None = Cors()) -> FastAPI:
+              cors: Cors | None = Cors(), chat_template: str | None = None) -> FastAPI:
     """The FastAPI app serving the engine behind `ae` (an engine client: its own process, or
     `in_process.InProcessEngineClient` around an `AsyncEngine`); the engine starts and stops
     with the app.
@@ -814,7 +814,10 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
     max_body_bytes: larger request bodies are refused with 413.
     cors: cross-origin access (default: every origin, as vLLM's); None leaves the headers to a
         proxy in front (a cluster's ingress).
+    chat_template: a Jinja chat template in place of the model's (vLLM's --chat-template).
     """
+    if chat_template is not None:
+        ae.tokenizer.set_chat_template(chat_template)
     name = served_model_name or default_served_name(ae.model_name)
     metrics = ServerMetrics(ae, name)
     serving = OpenAIServing(ae, name, max_tokens_limit, metrics)

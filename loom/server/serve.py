@@ -41,7 +41,7 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                served_model_name: str | None = None, max_tokens_limit: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
                access_log: bool = True, engine_process: bool = True, cors: Cors | None = Cors(),
-               engine_restarts: int = DEFAULT_ENGINE_RESTARTS) -> None:
+               engine_restarts: int = DEFAULT_ENGINE_RESTARTS, chat_template: str | None = None) -> None:
     """Loads the model of `config` and serves it until interrupted (Ctrl-C / SIGTERM)."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     sock = listen(host, port)   # before the model loads: a port in use is one line at once
@@ -50,7 +50,8 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                                engine_restarts=engine_restarts)
         try:
             app = build_app(client, api_key=api_key, served_model_name=served_model_name,
-                            max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, cors=cors)
+                            max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, cors=cors,
+                            chat_template=chat_template)
             server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             access_log=access_log, timeout_graceful_shutdown=5))
             server.run(sockets=[sock])

@@ -1,5 +1,8 @@
 // loom playground: chat over POST /v1/chat/completions with "stream": true, read as
 // server-sent events from fetch()'s ReadableStream; server load polled from GET /v1/loom/stats.
+// A model without a chat template (GET /tokenizer_info says null: a base model) gets completion
+// mode instead: the system text and the turns so far, joined, are continued over
+// POST /v1/completions.
 //
 // Rules: one answer streams at a time; the conversation sent is the visible history (answers
 // that failed or were stopped before any text are left out); text from the model is only
@@ -14,6 +17,7 @@
   const history = [];       // {role, content} of completed turns
   let controller = null;    // AbortController of the answer streaming now, if any
   let modelName = null;
+  let completionMode = false;   // no chat template: continue the text over /v1/completions
 
   function authHeaders() {
     const key = $("api-key").value.trim();
@@ -93,15 +97,20 @@
     messages.push(...history, turn);
 
     const body = {
-      messages,
       stream: true,
       stream_options: { include_usage: true },
       max_tokens: Math.max(1, Math.round(numberOr("max-tokens", 256))),
       temperature: numberOr("temperature", 0.7),
       top_p: numberOr("top-p", 1),
-      logprobs: true,       // one logprob entry per token: exact live token counts
-      top_logprobs: 0,
     };
+    if (completionMode) {
+      body.prompt = (system ? `${system}\n\n` : "") + [...history, turn].map((m) => m.content).join("");
+      body.logprobs = 0;    // one logprob entry per token: exact live token counts
+    } else {
+      body.messages = messages;
+      body.logprobs = true;
+      body.top_logprobs = 0;
+    }
     if (modelName) body.model = modelName;
 
     const bubble = addMessage("assistant", "");
@@ -126,7 +135,8 @@
     };
 
     try {
-      const response = await fetch("/v1/chat/completions", {
+      const endpoint = completionMode ? "/v1/completions" : "/v1/chat/completions";
+      const response = await fetch(endpoint, {
         method: "POST", headers: authHeaders(), body: JSON.stringify(body), signal: controller.signal,
       });
       if (!response.ok) throw new Error(await errorMessage(response));
@@ -134,8 +144,9 @@
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) tokens = chunk.usage.completion_tokens;
         for (const choice of chunk.choices || []) {
-          const content = choice.delta && choice.delta.content;
-          const count = choice.logprobs && choice.logprobs.content ? choice.logprobs.content.length : 0;
+          const content = completionMode ? choice.text : choice.delta && choice.delta.content;
+          const entries = choice.logprobs && (completionMode ? choice.logprobs.tokens : choice.logprobs.content);
+          const count = entries ? entries.length : 0;
           if (count > 0 && firstAt === null) {
             firstAt = performance.now();
             $("stat-ttft").textContent = `${((firstAt - started) / 1000).toFixed(2)} s`;
@@ -209,7 +220,24 @@
     $("messages").replaceChildren();
   });
   $("api-key").value = sessionStorage.getItem(KEY_STORAGE) || "";
-  $("api-key").addEventListener("change", () => sessionStorage.setItem(KEY_STORAGE, $("api-key").value.trim()));
+  $("api-key").addEventListener("change", () => {
+    sessionStorage.setItem(KEY_STORAGE, $("api-key").value.trim());
+    detectMode();
+  });
 
+  // A model without a chat template: completion mode (see the top of this file).
+  async function detectMode() {
+    try {
+      const response = await fetch("/tokenizer_info", { headers: authHeaders() });
+      if (!response.ok) return;
+      const info = await response.json();
+      completionMode = info.chat_template === null || info.chat_template === undefined;
+      if (completionMode) {
+        setStatus("this model has no chat template: the playground continues your text (/v1/completions)");
+      }
+    } catch (_) { /* keep chat mode */ }
+  }
+
+  detectMode();
   pollStats();
 })();
