@@ -612,6 +612,11 @@ def test_metrics_use_vllm_names(tiny: LoomServer) -> None:
         assert metric(s, f"{histogram}_bucket", le="+Inf", **label) >= 1
     assert metric(s, "vllm:request_success_total", finished_reason="length", **label) >= 1
     assert metric(s, "vllm:inter_token_latency_seconds_sum", **label) > 0
+    for histogram in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                      "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+        assert metric(s, f"{histogram}_count", **label) >= 1, histogram
+    assert metric(s, "vllm:request_generation_tokens_bucket", le="5.0", **label) >= 1     # 4 tokens
 
 
 # -- the schema -------------------------------------------------------------------------------------
