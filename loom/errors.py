@@ -38,6 +38,12 @@ class EngineDeadError(LoomError):
     """The engine (its process or thread) is gone: nothing can be served until it is restarted."""
 
 
+class EngineGoneError(EngineDeadError):
+    """The engine process died and no new one will start (loom serve --engine-restarts used up,
+    or off, or a restart failed): only restarting the server brings it back, so a 503 carries
+    no Retry-After."""
+
+
 class EngineRestartingError(EngineDeadError):
     """The engine process died and a new one is loading the model: retry after `retry_after` seconds."""
 

@@ -27,7 +27,8 @@ When the engine process dies, every open stream gets `EngineDeadError` (a stream
 event; a non-streamed request's 503) and a new engine process is started (at most `restarts`
 times within RESTART_WINDOW_S): while it loads the model, new requests and /health get 503 with
 Retry-After (the seconds the first one took to load); then serving goes on. Past that budget
-the engine stays gone: 503 to everything, for a supervisor to restart the server.
+the engine stays gone: 503 to everything, without Retry-After (`EngineGoneError`: only a
+supervisor restarting the server brings it back).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import zmq
 
 from loom import errors as loom_errors
 from loom.config import EngineConfig
-from loom.errors import EngineDeadError, EngineRestartingError, LoomError
+from loom.errors import EngineDeadError, EngineGoneError, EngineRestartingError, LoomError
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import Tokenizer
@@ -376,17 +377,18 @@ class ProcessEngineClient:
             self._fail(EngineDeadError("the server is stopping"))
             return
         log.error("the engine process (pid %s) exited with status %s", self.process.pid, code)
-        self._fail(self.error if self.error is not None
-                   else EngineDeadError(f"the engine process exited (status {code})"))
+        base = str(self.error) if self.error is not None else f"the engine process exited (status {code})"
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < RESTART_WINDOW_S]
-        if len(self._restart_times) >= self._max_restarts:
-            if self._max_restarts:
-                self.error = EngineDeadError(
-                    f"the engine process exited (status {code}); not restarted: it was restarted "
-                    f"{len(self._restart_times)} times in the last {RESTART_WINDOW_S / 60:.0f} minutes "
-                    f"(loom serve --engine-restarts)")
+        n = len(self._restart_times)
+        if n >= self._max_restarts:   # gone for good: its requests' 503s carry no Retry-After
+            self._fail(EngineGoneError(
+                f"{base}; not restarted: " +
+                (f"it was restarted {n} time{'s' if n != 1 else ''} in the last {RESTART_WINDOW_S / 60:.0f} "
+                 f"minutes (loom serve --engine-restarts)" if self._max_restarts else
+                 "restarts are off (loom serve --engine-restarts 0)")))
             return
+        self._fail(self.error if self.error is not None else EngineDeadError(base))
         self._restart_times.append(now)
         self.error = EngineRestartingError(
             f"the engine process exited (status {code}); a new one is loading the model",
@@ -405,7 +407,7 @@ class ProcessEngineClient:
         except Exception as e:  # noqa: BLE001 - the server stays up and says why
             if not self._stopping:
                 log.error("could not restart the engine process: %s", e)
-                self.error = EngineDeadError(f"the engine process exited and could not be restarted: {e}")
+                self.error = EngineGoneError(f"the engine process exited and could not be restarted: {e}")
             return
         if self._stopping:
             return

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loom.errors import EngineDeadError, EngineRestartingError, LoomError, QueueFullError
+from loom.errors import EngineDeadError, EngineGoneError, EngineRestartingError, LoomError, QueueFullError
 from loom.server.protocol import IGNORED_FIELDS, ErrorInfo, ErrorResponse
 
 # Seconds a client told "queue full" should wait before retrying.
@@ -83,13 +83,17 @@ def api_error_from_loom(e: LoomError, path: str = "") -> ApiError:
         return ApiError(429, f"{message}; retry later", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(e, EngineDeadError):
-        return ApiError(503, message, type=SERVER_ERROR, code="engine_unavailable",
-                        headers={"Retry-After": str(engine_retry_after(e))})
+        return ApiError(503, message, type=SERVER_ERROR, code="engine_unavailable", headers=retry_headers(e))
     match = _LEADING_FIELD.match(message)
     param = match.group(1).replace(" ", ".") if match else None
     if param == "prompt" and path.endswith("/chat/completions"):
         param = "messages"
     return ApiError(400, message, param=param)
+
+
+def retry_headers(e: EngineDeadError) -> dict[str, str] | None:
+    """Retry-After while the engine may come back; none once it will not (EngineGoneError)."""
+    return None if isinstance(e, EngineGoneError) else {"Retry-After": str(engine_retry_after(e))}
 
 
 def engine_retry_after(e: EngineDeadError) -> int:

@@ -46,8 +46,8 @@ from loom.server.errors import (
     INVALID_REQUEST,
     ApiError,
     ClientDisconnected,
-    engine_retry_after,
     install_error_handlers,
+    retry_headers,
 )
 from loom.server.limits import BodySizeLimit, Cors
 from loom.server.logprobs import chat_logprobs, completion_logprobs, finite, text_length, token_name
@@ -918,15 +918,15 @@ def _add_service_routes(app: FastAPI, ae: EngineClient, metrics: ServerMetrics) 
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS})
     async def health():
-        """200 while the engine is alive; 503 (with Retry-After) while a new engine process loads
-        after one died, and once the engine is gone for good."""
+        """200 while the engine is alive; 503 with Retry-After while a new engine process loads
+        after one died, without it once the engine is gone for good."""
         error = ae.error
         if error is not None:
             what = "engine restarting" if isinstance(error, EngineRestartingError) else "engine failed"
             return JSONResponse(ErrorResponse.model_validate(
                 {"error": {"message": f"{what}: {error}", "type": "server_error",
                            "code": "engine_unavailable"}}).model_dump(),
-                status_code=503, headers={"Retry-After": str(engine_retry_after(error))})
+                status_code=503, headers=retry_headers(error))
         return HealthResponse()
 
     @app.get("/version", response_model=VersionResponse)
