@@ -310,6 +310,24 @@ def test_corrupt_data_is_rebuilt(cache_dir, tiny_gemma3_path, monkeypatch, caplo
     assert "is corrupt (entry" in line and "fails its data checksum" in line
 
 
+def test_corrupt_bytes_between_the_sampled_ends_are_found_once_per_file(cache_dir, tiny_gemma3_path, monkeypatch,
+                                                                          caplog):
+    """The sampled checksums see an entry's first and last 256 bytes; a file not yet checked as
+    it is (here: rewritten, so a new mtime) has every byte of every entry checked."""
+    import json
+    import struct
+
+    def flip_a_middle_byte(p, b):
+        _, _, _, index_len, data_len, _ = struct.unpack("<8sIIQQ32s", bytes(b[:64]))
+        entries = json.loads(bytes(b[64:64 + index_len]))["entries"]
+        e = max(entries.values(), key=lambda e: e["nbytes"])
+        assert e["nbytes"] > 1024
+        b[len(b) - data_len + e["offset"] + e["nbytes"] // 2] ^= 0x01
+        p.write_bytes(bytes(b))
+    line = _damaged(cache_dir, tiny_gemma3_path, monkeypatch, caplog, flip_a_middle_byte)
+    assert "is corrupt (entry" in line and "fails its data checksum" in line
+
+
 def test_unwritable_cache_directory_runs_without_it_and_says_so_once(cache_dir, tiny_llama_path, caplog):
     cache_dir.mkdir(parents=True)
     (cache_dir / "packed").write_text("a file where the cache directory should be")

@@ -7,7 +7,8 @@ Layout (``LOOM_CACHE``, default ``~/.cache/loom``)::
     packed/          packed weights per GGUF file and kernel variant (loom/model/pack_cache.py)
     costs/           speculative decoding's timed forward passes per model and machine (loom/speculative/calibration.py)
     tokenizers/      derived tokenizer tables (loom/loader/tokenizer.py)
-    identity/        the sha256 of GGUF files outside models/, remembered per path, size and mtime
+    identity/        the sha256 of GGUF files outside models/, remembered per path, size and mtime,
+                     and the checks a file passed (a packed-weight file's full checksum), per the same
 
 Derived files are keyed by the *content* of the GGUF file (its sha256), never by its path, so a
 renamed or copied model finds its cache and a model replaced in place does not. Hashing a file
@@ -99,6 +100,26 @@ def file_sha256(path: str | os.PathLike, on_hash: Callable[[int], None] | None =
     except CacheWriteError:
         pass   # hashed again next time; the caller reports an unwritable cache once
     return digest
+
+
+def _check_record(path: Path, tag: str) -> tuple[Path, dict]:
+    record_path, stamp = _record(path)
+    return record_path.with_name(f"{record_path.stem}-{tag}.json"), stamp | {"ino": path.stat().st_ino}
+
+
+def checked(path: str | os.PathLike, tag: str) -> bool:
+    """Whether check `tag` passed on `path` as it is now (same path, size, mtime and inode)."""
+    record_path, stamp = _check_record(Path(path), tag)
+    return _read_json(record_path) == stamp
+
+
+def mark_checked(path: str | os.PathLike, tag: str) -> None:
+    """Records that check `tag` passed on `path` as it is now (see `checked`)."""
+    record_path, stamp = _check_record(Path(path), tag)
+    try:
+        atomic_write(record_path, lambda out: out.write(json.dumps(stamp).encode()))
+    except CacheWriteError:
+        pass   # checked again next time
 
 
 def atomic_write(target: Path, write: Callable[[BinaryIO], None]) -> None:

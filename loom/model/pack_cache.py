@@ -21,8 +21,10 @@ The key names everything the bytes depend on: the GGUF file's sha256, the kernel
 version, the file format (PACK_FORMAT, bumped when this module's layout changes) and a digest of
 the code that builds the packed forms (quant.py, weights.py). A file is used only when its magic,
 format, length, index checksum, key, entry bounds and each entry's sampled checksum (crc32 of its
-first and last 256 bytes) all check out; otherwise the problem is reported in one line and the
-file is rebuilt. (A full checksum would cost a checksum pass over every byte on each load.)
+first and last 256 bytes) all check out, and, once per file as it is (path, size, mtime, inode:
+loom/loader/cache.py's identity records; the file loom just wrote counts as checked), each
+entry's crc32 over all its bytes; otherwise the problem is reported in one line and the file is
+rebuilt. (A full checksum on every load would cost a pass over every byte each time.)
 
 Files are written whole to a temporary name and renamed into place, so concurrent loaders never
 see a partial file. A directory that cannot be written (read-only, full) leaves loom running on
@@ -47,17 +49,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loom import hugepages
-from loom.loader.cache import CacheWriteError, atomic_write, cache_root, file_sha256, loom_version, source_digest
+from loom.loader.cache import (CacheWriteError, atomic_write, cache_root, checked, file_sha256, loom_version,
+                               mark_checked, source_digest)
 from loom.loader.gguf import GGUFFile
 from loom.model.quant import PackedCodes
 
 log = logging.getLogger("loom")
 
-PACK_FORMAT = 3
+PACK_FORMAT = 4
 MAGIC = b"LOOMPACK"
 _PREFIX = struct.Struct("<8sIIQQ32s")          # 64 bytes
 _DATA_ALIGN, _ENTRY_ALIGN, _SAMPLE = 4096, 64, 256
 _TRIM_EVERY = 32 << 20   # bytes gathered between hand-backs of the heap (PackCache._gather)
+FULL_CHECK = "pack-crc32"   # the record of a file whose every entry matched its full checksum
 _CODE = [Path(__file__).parent / n for n in ("quant.py", "weights.py")]   # what the packed bytes depend on
 
 _reported: set[str] = set()   # one line per problem and directory per process
@@ -110,19 +114,22 @@ def read_pack_file(path: Path, key: dict) -> dict[str, PackedCodes]:
         diff = ", ".join(f"{k} {was.get(k)!r} -> {v!r}" for k, v in key.items() if was.get(k) != v)
         raise BadCacheFile(f"stale ({diff})")
     data = _read_data(path, data_start, data_len) if data_len else None
+    full = not checked(path, FULL_CHECK)   # every byte, once per file as it is (then the samples)
     out = {}
     for name, e in index["entries"].items():
         off, nbytes = int(e["offset"]), int(e["nbytes"])
         if off < 0 or nbytes <= 0 or off + nbytes > data_len:
             raise BadCacheFile(f"corrupt (entry '{name}' out of bounds)")
         buf = data[off:off + nbytes]
-        if _sample_crc(buf) != e["crc"]:
+        if _sample_crc(buf) != e["crc"] or (full and zlib.crc32(buf) != e["crc32"]):
             raise BadCacheFile(f"corrupt (entry '{name}' fails its data checksum)")
         shape = tuple(int(d) for d in e["shape"])
         if int(np.prod(shape)) != nbytes:
             raise BadCacheFile(f"corrupt (entry '{name}' has shape {shape} for {nbytes} bytes)")
         out[name] = PackedCodes(torch.from_numpy(buf).view(shape), int(e["n"]), int(e["k"]), int(e["bits"]),
                                 bool(e["scales16"]), int(e["zero"]))
+    if full:
+        mark_checked(path, FULL_CHECK)
     return out
 
 
@@ -183,7 +190,8 @@ def write_pack_file(out: BinaryIO, key: dict, entries: dict[str, PackedCodes]) -
     for name, p in entries.items():
         nbytes = p.w.numel()
         index[name] = {"offset": offset, "nbytes": nbytes, "shape": list(p.w.shape), "n": p.n, "k": p.k,
-                       "bits": p.bits, "scales16": p.scales16, "zero": p.zero, "crc": _sample_crc(p.w.numpy())}
+                       "bits": p.bits, "scales16": p.scales16, "zero": p.zero, "crc": _sample_crc(p.w.numpy()),
+                       "crc32": zlib.crc32(p.w.numpy().reshape(-1))}
         offset += -(-nbytes // _ENTRY_ALIGN) * _ENTRY_ALIGN
     index_bytes = json.dumps({"key": key, "entries": index}).encode()
     data_start = -(-(_PREFIX.size + len(index_bytes)) // _DATA_ALIGN) * _DATA_ALIGN
@@ -250,6 +258,7 @@ class PackCache:
     def _write(self) -> bool:
         try:
             atomic_write(self.path, lambda out: write_pack_file(out, self.key, self.entries))
+            mark_checked(self.path, FULL_CHECK)   # its bytes are the ones just packed
             return True
         except CacheWriteError as e:
             _say_once(f"packed-weight cache unavailable ({e.strerror}): loom runs without it and packs "
