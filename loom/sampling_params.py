@@ -188,7 +188,8 @@ class SamplingParams:
         (given directly, these sequences are banned as well).
     prompt_logprobs: None, or k >= 0: the logprob of every prompt token after the first (given
         the tokens before it) and its k most probable alternatives (at most 20). The prompt is
-        then computed in full (no prefix-cache hit), chunk by chunk; not with n > 1 or best_of.
+        then computed in full (no prefix-cache hit), chunk by chunk; with n > 1 or best_of once,
+        and every output carries it.
     prediction: text the output is expected to mostly repeat (OpenAI's predicted outputs: code to
         edit, a document to revise); with speculative decoding on, drafts come from it and the
         output stays what it would be without it. Not with logprobs, penalties, token controls
@@ -201,6 +202,8 @@ class SamplingParams:
         dict of it: {"policy": "streaming" | "snapkv" | "none", "budget", "sinks", "window",
         "pool"}); None takes the engine's default (`--kv-eviction`), policy "none" opts out of it.
         Not with prompt_logprobs (their context would be cut) or n > 1 / best_of.
+    detokenize: False leaves the outputs' text empty and their logprobs' decoded tokens None
+        (token ids only, as vLLM's); not with stop strings, which are matched in the text.
     """
 
     n: int = 1
@@ -231,6 +234,7 @@ class SamplingParams:
     prediction_token_ids: Sequence[int] | None = None
     truncate_prompt_tokens: int | None = None
     kv_eviction: KVEvictionParams | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, "an integer >= 1")
@@ -284,8 +288,10 @@ class SamplingParams:
             if not 0 <= _int("logprobs", self.logprobs, allowed) <= MAX_LOGPROBS:
                 raise _fail("logprobs", self.logprobs, allowed)
 
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             _flag(name, getattr(self, name))
+        if not self.detokenize and self.stop:
+            raise InvalidRequestError("stop strings need detokenize=True: they are matched in the output's text")
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
         self._check_token_controls()
         self._check_prediction()

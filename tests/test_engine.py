@@ -1253,3 +1253,19 @@ def test_prefix_cache_serves_a_shared_system_prompt(real_models, dtype):
     for i in range(3):
         assert with_cache[str(i)].outputs[0].token_ids == without[str(i)].outputs[0].token_ids, f"conversation {i}"
 
+
+
+def test_detokenize_false_gives_token_ids_only(make_tiny):
+    """vLLM's detokenize=False: no text, logprobs without decoded tokens; stop strings need the text."""
+    from loom.llm import LLM
+
+    llm = LLM.from_engine(make_tiny())
+    params = dict(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    [plain] = llm.generate("hello there", SamplingParams(**params), use_tqdm=False)
+    [bare] = llm.generate("hello there", SamplingParams(**params, detokenize=False), use_tqdm=False)
+    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids and bare.outputs[0].text == ""
+    assert all(lp.decoded_token is None for d in bare.outputs[0].logprobs for lp in d.values())
+    assert all(lp.decoded_token is None for d in bare.prompt_logprobs[1:] for lp in d.values())
+    assert plain.outputs[0].text and plain.outputs[0].logprobs[0][plain.outputs[0].token_ids[0]].decoded_token
+    with pytest.raises(InvalidRequestError, match="stop strings need detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -22,14 +22,16 @@ from loom.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def append_prompt_logprobs(into: list[dict[int, Logprob] | None], prompt: Sequence[int], entries: list[TokenLogprobs],
-                           tokenizer: Tokenizer) -> None:
+                           tokenizer: Tokenizer, detokenize: bool = True) -> None:
     """Appends to `into` (vLLM's layout: None first, then one dict per prompt token) the
-    logprobs of the next prompt tokens, in order, the actual token always present."""
+    logprobs of the next prompt tokens, in order, the actual token always present (its text
+    None without `detokenize`)."""
+    name = tokenizer.decode if detokenize else (lambda ids: None)
     for e in entries:
         tok = prompt[len(into)]
-        d = {tid: Logprob(lp, rank, tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(e.top, start=1)}
+        d = {tid: Logprob(lp, rank, name([tid])) for rank, (tid, lp) in enumerate(e.top, start=1)}
         if tok not in d:
-            d = {tok: Logprob(e.logprob, e.rank, tokenizer.decode([tok])), **d}
+            d = {tok: Logprob(e.logprob, e.rank, name([tok])), **d}
         into.append(d)
 
 
@@ -58,6 +60,8 @@ class OutputState:
         req = self.req
         new_ids = req.output_token_ids[self.num_tokens_seen:]
         text_ids = new_ids[:-1] if new_ids and self._ended_by_stop_token() else new_ids
+        if not req.params.detokenize:
+            text_ids = []   # token ids only
         if self.stops and not self.stopped_by_string:
             self._add_until_stop(new_ids, len(text_ids))
         else:
@@ -144,16 +148,18 @@ class OutputState:
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs]) -> None:
         """Appends the logprobs of the next prompt tokens (in order), the actual token always present."""
-        append_prompt_logprobs(self.prompt_logprobs, self.req.prompt_token_ids, entries, self.tokenizer)
+        append_prompt_logprobs(self.prompt_logprobs, self.req.prompt_token_ids, entries, self.tokenizer,
+                               self.req.params.detokenize)
 
     def add_logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> None:
         """Appends vLLM-layout logprobs: per token {id: Logprob}, the sampled token always present."""
         if self.req.logprobs is None:
             return
+        name = self.tokenizer.decode if self.req.params.detokenize else (lambda ids: None)
         for e, tok in zip(entries, token_ids):
             d: dict[int, Logprob] = {}
             for rank, (tid, lp) in enumerate(e.top, start=1):
-                d[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+                d[tid] = Logprob(lp, rank, name([tid]))
             if tok not in d:
-                d = {tok: Logprob(e.logprob, e.rank, self.tokenizer.decode([tok])), **d}
+                d = {tok: Logprob(e.logprob, e.rank, name([tok])), **d}
             self.req.logprobs.append(d)

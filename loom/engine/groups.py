@@ -165,7 +165,8 @@ class RequestGroups:
             return
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]
-        append_prompt_logprobs(group.prompt_logprobs, group.parent.prompt_token_ids, entries, self.engine.tokenizer)
+        append_prompt_logprobs(group.prompt_logprobs, group.parent.prompt_token_ids, entries, self.engine.tokenizer,
+                               group.params.detokenize)
 
     def step(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's outputs with the children's replaced by their groups' outputs."""
