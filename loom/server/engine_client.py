@@ -162,6 +162,7 @@ class ProcessEngineClient:
         self._lock = threading.Lock()       # the process being replaced vs. shutdown() from another thread
         self._stopping = False
         self._closing = False               # the server was told to stop (the signal may reach the engine too)
+        self._loading = False               # an engine process is loading the model (no messages read yet)
         self.error: BaseException | None = None
         started = time.monotonic()
         self._spawn()
@@ -207,6 +208,13 @@ class ProcessEngineClient:
             raise EngineDeadError("the server is shutting down")
 
     def _wait_ready(self) -> wire.Ready:
+        self._loading = True
+        try:
+            return self._wait_for_ready()
+        finally:
+            self._loading = False
+
+    def _wait_for_ready(self) -> wire.Ready:
         while True:
             if self._output.poll(STARTUP_POLL_MS):
                 msg = self._decoder.decode(self._output.recv())
@@ -246,7 +254,7 @@ class ProcessEngineClient:
             self._stopping = True
         if self._restarting is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._restarting.cancel)
-        if self.process.is_alive():
+        if self.process.is_alive() and not self._loading:   # one still loading reads no message: signal it
             try:
                 self._input.send(self._encoder.encode(wire.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
