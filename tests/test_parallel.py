@@ -481,4 +481,12 @@ def test_server_n_best_of_and_loom_extension(api):
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "stream": True,
         "loom": {"aggregate": "majority"}})
     assert stream.status_code == 400
+    for loom, field in (({"aggregate": "majority", "pattern": "x"}, "loom.pattern"),
+                        ({"aggregate": "best_of", "prune_ratio": 0.3}, "loom.prune_ratio"),
+                        ({"early_stop": {"policy": "first_finish", "m": 2}}, "loom.early_stop.m"),
+                        ({"early_stop": {"policy": "short_m_at_k", "m": 10}}, "loom.early_stop.m"),
+                        ({"return_children": True}, "loom.return_children"),
+                        ({"aggregate": "best_of", "extract": "gsm8k"}, "loom.extract")):
+        unused = client.post("/v1/completions", json={**base, "n": 4, "loom": loom})
+        assert unused.status_code == 400 and unused.json()["error"]["param"] == field, (loom, unused.text)
     assert engine.kv.usage() == 0

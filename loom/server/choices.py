@@ -256,10 +256,38 @@ class LoomPlan:
         return chosen, LoomResponse(results=results)
 
 
-def plan_loom(options: LoomOptions | None, stream: bool) -> LoomPlan | None:
-    """The plan of a request's ``loom`` object; ApiError (400) for combinations it cannot serve."""
+_VOTING = ("majority", "weighted_majority", "short_m_at_k")
+
+
+def _refuse_unused(o: LoomOptions, n: int) -> None:
+    """A ``loom`` field that the chosen aggregate or policy does not read is a 400 naming it,
+    never silently dropped."""
+    def refuse(field: str, message: str) -> None:
+        raise ApiError(400, f"loom.{field} {message}", param=f"loom.{field}", code="invalid_value")
+
+    if o.extract is not None and o.aggregate not in _VOTING:
+        refuse("extract", f"applies to aggregate {', '.join(_VOTING)}, got aggregate {o.aggregate!r}")
+    if o.pattern is not None and o.extract != "regex":
+        refuse("pattern", f"applies to extract 'regex', got extract {o.extract!r}")
+    if o.score is not None and o.aggregate != "best_of":
+        refuse("score", f"applies to aggregate 'best_of', got aggregate {o.aggregate!r}")
+    if o.prune_ratio is not None and o.aggregate != "weighted_majority":
+        refuse("prune_ratio", f"applies to aggregate 'weighted_majority', got aggregate {o.aggregate!r}")
+    if o.return_children and o.aggregate is None:
+        refuse("return_children", "applies with loom.aggregate (without it every choice is returned anyway)")
+    m = o.early_stop.m if o.early_stop is not None else None
+    if m is not None and o.early_stop.policy != "short_m_at_k":
+        refuse("early_stop.m", f"applies to policy 'short_m_at_k', got policy {o.early_stop.policy!r}")
+    if m is not None and m > n:
+        refuse("early_stop.m", f"must be at most n ({n}): stop once m of the n choices finished, got {m}")
+
+
+def plan_loom(options: LoomOptions | None, stream: bool, n: int = 1) -> LoomPlan | None:
+    """The plan of a request's ``loom`` object; ApiError (400) for combinations it cannot serve
+    and for fields that would not be read."""
     if options is None:
         return None
+    _refuse_unused(options, n)
     if options.aggregate is not None and stream:
         raise ApiError(400, "loom.aggregate needs the whole set of choices: it cannot be streamed",
                        param="loom.aggregate", code="unsupported")

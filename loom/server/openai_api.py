@@ -447,7 +447,7 @@ class OpenAIServing:
             prompts = [self.ae.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
                        for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        plan = plan_loom(body.loom, body.stream)
+        plan = plan_loom(body.loom, body.stream, body.n)
         if body.stream and body.best_of is not None and body.best_of > body.n:
             raise ApiError(400, "best_of > n ranks finished choices: it cannot be streamed", param="best_of",
                            code="unsupported")
@@ -589,7 +589,7 @@ class OpenAIServing:
             params = params.clone(structured_outputs=StructuredOutputsParams(json=schema, source="tools"))
         prompt = self._chat_prompt(body, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        plan = plan_loom(body.loom, body.stream)
+        plan = plan_loom(body.loom, body.stream, body.n)
         group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker,
                         fanout=plan.fanout if plan else None)
         if body.stream:
