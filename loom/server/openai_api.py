@@ -20,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import secrets
 import time
@@ -255,6 +256,19 @@ def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogp
                               text_offset=offsets + completion.text_offset)
 
 
+def _prediction(body) -> str | None:
+    return None if body.prediction is None else body.prediction.text
+
+
+def _matched(predicted: Sequence[int], output: Sequence[int]) -> int:
+    """How many of the prediction's tokens appear in the output, in order (the matching blocks
+    of the two sequences: what OpenAI counts as accepted prediction tokens)."""
+    if not predicted or not output:
+        return 0
+    blocks = difflib.SequenceMatcher(None, list(predicted), list(output), autojunk=False).get_matching_blocks()
+    return sum(b.size for b in blocks)
+
+
 def _prompt_logprobs_field(out: RequestOutput, k: int | None,
                            as_ids: bool = False) -> list[dict[str, PromptLogprob] | None] | None:
     """vLLM's `prompt_logprobs` of a choice: None first, then per prompt token {token id: logprob}."""
@@ -403,21 +417,22 @@ class OpenAIServing:
         for group in [*self.open_streams, *self.open_answers]:
             group.stop()
 
-    def usage(self, finals: list[RequestOutput | None], n: int, predicted: bool = False,
+    def usage(self, finals: list[RequestOutput | None], n: int, prediction: str | None = None,
               score_only: bool = False) -> UsageInfo:
         """Prompt tokens count once per prompt (its first choice), completion tokens per choice
         (none where the prompt is only scored: the token generated then is not returned); with a
-        prediction, its draft tokens accepted and rejected."""
+        prediction, OpenAI's details: its tokens that appear in the completion (accepted, in
+        order: the matching blocks of the two token sequences) and those that do not (rejected)."""
         firsts = [finals[i] for i in range(0, len(finals), n)]
         prompt = sum(len(f.prompt_token_ids) for f in firsts if f is not None)
         cached = sum(f.num_cached_tokens for f in firsts if f is not None)
         completion = 0 if score_only else sum(len(f.outputs[0].token_ids) for f in finals if f is not None)
         details = None
-        if predicted:
-            ms = [f.metrics for f in finals if f is not None and f.metrics is not None]
-            accepted = sum(m.num_accepted_draft_tokens for m in ms)
-            details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
-                                              rejected_prediction_tokens=sum(m.num_draft_tokens for m in ms) - accepted)
+        if prediction is not None:
+            predicted = self.ae.tokenizer.encode(prediction, add_special_tokens=False)
+            accepted = sum(_matched(predicted, f.outputs[0].token_ids) for f in finals if f is not None)
+            rejected = sum(len(predicted) for f in finals if f is not None) - accepted
+            details = CompletionTokensDetails(accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                          completion_tokens_details=details)
@@ -458,7 +473,7 @@ class OpenAIServing:
             events = self._completion_events(group, body, rid, created, echoes, include_usage, score_only)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
-        usage, per, extension = self.usage(finals, body.n, body.prediction is not None, score_only), body.n, None
+        usage, per, extension = self.usage(finals, body.n, _prediction(body), score_only), body.n, None
         if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
             (finals, extension), per = plan.aggregate(group.prompt_choices()), 1
         choices, as_ids = [], body.return_tokens_as_token_ids
@@ -483,7 +498,7 @@ class OpenAIServing:
     async def _stream(self, group: ChoiceGroup, n: int, include_usage: str | None,
                       dump: Callable[[list, UsageInfo | None], dict[str, Any]],
                       choice_of: Callable[[int, RequestOutput], Any],
-                      opening: Sequence[list] = (), predicted: bool = False,
+                      opening: Sequence[list] = (), prediction: str | None = None,
                       plain: PlainChunks | None = None, score_only: bool = False) -> AsyncIterator[str]:
         """The one SSE loop of both endpoints: `opening` chunks first, then per output of the
         group the chunk choice `choice_of(index, output)` builds (None: nothing to send yet),
@@ -515,7 +530,7 @@ class OpenAIServing:
                 if choice is not None:
                     yield chunk([choice], _choice_usage(out, score_only) if include_usage == CONTINUOUS_USAGE else None)
             if include_usage:
-                yield chunk([], self.usage(finals, n, predicted, score_only))
+                yield chunk([], self.usage(finals, n, prediction, score_only))
             yield DONE
         except ClientDisconnected:
             return
@@ -566,7 +581,7 @@ class OpenAIServing:
         if body.logprobs is None and body.prompt_logprobs is None and not echoes and not score_only:
             plain = PlainChunks({"id": rid, "object": "text_completion", "created": created, "model": self.model},
                                 "text", usage_null=include_usage == FINAL_USAGE)
-        return self._stream(group, body.n, include_usage, dump, choice_of, predicted=body.prediction is not None,
+        return self._stream(group, body.n, include_usage, dump, choice_of, prediction=_prediction(body),
                             plain=plain, score_only=score_only)
 
     # -- chat completions ----------------------------------------------------------------------
@@ -597,7 +612,7 @@ class OpenAIServing:
             events = self._chat_events(group, body, rid, created, top_k, include_usage, tools)
             return await self.open_stream(group, request, events)
         finals = await self.collect(group, request)
-        usage, extension = self.usage(finals, body.n, body.prediction is not None), None
+        usage, extension = self.usage(finals, body.n, _prediction(body)), None
         if plan is not None and plan.aggregator is not None:  # one chosen answer
             finals, extension = plan.aggregate(group.prompt_choices())
         choices, as_ids = [], body.return_tokens_as_token_ids
@@ -664,7 +679,7 @@ class OpenAIServing:
         if calls is None and autos is None and top_k is None:
             plain = PlainChunks({"id": rid, "object": "chat.completion.chunk", "created": created,
                                  "model": self.model}, "delta", usage_null=include_usage == FINAL_USAGE)
-        return self._stream(group, body.n, include_usage, dump, choice_of, roles, body.prediction is not None,
+        return self._stream(group, body.n, include_usage, dump, choice_of, roles, _prediction(body),
                             plain=plain)
 
     @staticmethod
