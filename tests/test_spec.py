@@ -1081,3 +1081,26 @@ def test_a_predicted_request_has_its_own_starting_rate_and_wakes_an_idle_batch()
     assert ctl.idle(8)
     ctl.wake(8)
     assert not ctl.idle(8)
+
+
+def test_a_program_thread_stops_where_one_token_steps_would(tiny_parts):
+    """Thread.run(max_new_tokens=...) and run(until=...) under speculation stop at the token a
+    step of one token stops at, though a verified step may commit many: drafts are cut to the
+    tokens left (max_new_tokens), and none are made while a text is awaited (until)."""
+    from loom.parallel.program import Program
+
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
+    base = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    whole = run(tiny_engine(tiny_parts), [prompt["prompt_token_ids"]], base)[0]
+    until = whole.text[len(tiny_parts[2].decode(whole.token_ids[:9])):len(tiny_parts[2].decode(whole.token_ids[:11]))]
+    assert until
+    threads = []
+    for engine, params in ((tiny_engine(tiny_parts), base),     # every draft accepted: the prediction is the output
+                           (tiny_engine(tiny_parts, {"method": "prediction", "adaptive": False}),
+                            base.clone(prediction=whole.text))):
+        t = Program(engine).start(prompt, params).run(max_new_tokens=4)
+        first = list(t.token_ids)
+        t.run(until=until)
+        threads.append((first, list(t.token_ids)))
+    assert threads[0] == threads[1] and len(threads[0][0]) == 4
+    assert threads[0][1] == whole.token_ids[:len(threads[0][1])]

@@ -294,6 +294,14 @@ class Engine:
         req = self._live(request_id)
         req.compute_limit = req.num_computed_tokens
 
+    def limit_drafts(self, request_id: str, max_new: int | None) -> None:
+        """Speculative steps of `request_id` add at most `max_new` more output tokens in all (0:
+        it drafts nothing; None: no limit), so a driver that stops it after so many tokens, or
+        at a text, stops it where a step of one token would (a step committing several tokens
+        would run past)."""
+        req = self._live(request_id)
+        req.output_limit = None if max_new is None else req.num_output_tokens + max(0, int(max_new))
+
     def resume(self, request_id: str, append_token_ids: Sequence[int] = ()) -> None:
         """Lets a paused request run again, after appending `append_token_ids` to its output as
         forced tokens (a join's result). Forced tokens count toward max_tokens and are not

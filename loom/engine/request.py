@@ -128,6 +128,7 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
     compute_limit: int | None = None
     draft: DraftTree | None = None       # speculative tokens proposed for the next step (not committed)
+    output_limit: int | None = None      # drafts never take the output past this many tokens in a step
     eviction: EvictionPolicy | None = None
     num_evicted: int = 0                 # computed tokens whose KV entries were evicted
     kv_runs: KVRuns = ()                 # positions of the kept entries (loom/kv/eviction/positions.py)

@@ -191,6 +191,8 @@ class Scheduler:
         by the caller) when nothing fits or the pool is short: drafts never preempt."""
         room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
                    self.max_model_len - req.num_tokens - 1)
+        if req.output_limit is not None:   # a driver stops the request at that length (Engine.limit_drafts)
+            room = min(room, req.output_limit - req.num_output_tokens - 1)
         if room <= 0 or req.compute_limit is not None:
             return None
         req.draft = req.draft.cut(room)

@@ -112,7 +112,15 @@ class Thread:
                 return True
             return max_new_tokens is not None and len(self.token_ids) - start_tokens >= max_new_tokens
 
-        self.program.drive([self], lambda: self.finished or reached())
+        # speculative steps stop where one-token steps would: at max_new_tokens, and (drafting
+        # nothing) at the token that completes `until`
+        engine = self.program.engine
+        engine.limit_drafts(self.request_id, 0 if until is not None else max_new_tokens)
+        try:
+            self.program.drive([self], lambda: self.finished or reached())
+        finally:
+            if not self.finished:
+                engine.limit_drafts(self.request_id, None)
         if not self.finished:
             self.pause()
         return self
