@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,43 @@ def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=flag) from None
+        raise LoomError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+# The options of each `loom bench` mode (besides the common ones): one given on the command line
+# to a mode that does not read it is refused, never silently ignored.
+_BENCH_COMMON = {"model", "threads", "json_path", "plot", "quick", "prompts"}
+_BENCH_MODES = {
+    "server": ("a load test (--server)", {"server", "peers", "rates", "num_requests", "rounds", "duration", "max_concurrency",
+                                          "endpoint", "temperature", "top_p", "ignore_eos", "max_tokens"}),
+    "spec": ("--spec", {"spec", "dtype", "spec_prompts", "spec_methods", "spec_repeats", "spec_datastore", "spec_llamacpp",
+                        "markdown", "max_tokens"}),
+    "peers": ("the peer suites (without --server or --spec)",
+              {"peers", "dtype", "kv_cache_dtype", "decode_context", "concurrency", "decode_tokens", "prefill_tokens",
+               "max_tokens", "parallel", "parallel_n", "limit"}),
+}
+
+
+def _refuse_unread_bench_options(ctx: typer.Context, mode: str) -> None:
+    name, read = _BENCH_MODES[mode]
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        given = source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+        if given and param.name not in read and param.name not in _BENCH_COMMON:
+            flag = max(param.opts, key=len)
+            users = [desc for m, (desc, names) in _BENCH_MODES.items() if param.name in names]
+            raise LoomError(f"{flag} has no effect in {name}" + (f": it is for {' and '.join(users)}" if users else ""))
+
+
+def _check_bench_outputs(json_path: Path | None, markdown: Path | None, plot: Path | None) -> None:
+    """Output paths that would fail only after the run are one line before it (missing parent
+    directories are made, as the report writers make them)."""
+    for path, flag in ((json_path, "--json"), (markdown, "--markdown")):
+        if path is not None:
+            path.absolute().parent.mkdir(parents=True, exist_ok=True)
+            _check_writable(path, flag)
+    if plot is not None and plot.exists() and not plot.is_dir():
+        raise LoomError(f"--plot {plot}: is a file; --plot names the directory the charts go into")
 
 
 SPEC_CONFIG_HELP = ('Speculative decoding as JSON, e.g. \'{"method": "auto"}\' (methods: prompt_lookup, '
@@ -115,6 +152,7 @@ SPEC_DATASTORE_HELP = ("A corpus the retrieval drafter copies from: a text file 
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: str = typer.Option(registry.DEFAULT_MODEL, "--model", "-m", help="Registry model name or GGUF path."),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1,
                                        help="Threads for every engine (default: physical cores)."),
@@ -204,6 +242,14 @@ def bench(
     """Measure loom and its peers in one run on the same GGUF and thread count, each engine in its own
     process: decode and prefill speed, throughput and latency under concurrency, peak RSS, load time.
     With --server URL: a load test of a running server from this process."""
+    mode = "server" if server is not None else "spec" if spec else "peers"
+    _refuse_unread_bench_options(ctx, mode)
+    if rounds != 1 and not peers:
+        raise LoomError("--rounds interleaves the servers of --peers: it needs --peers")
+    if dtype is not None and mode == "peers" and peers and "loom" not in [p.strip() for p in peers.split(",")]:
+        raise LoomError("--dtype sets the plain `loom` peer, which --peers does not name (loom:DTYPE names one)")
+    _check_bench_outputs(json_path, markdown, plot)
+    signal.signal(signal.SIGTERM, _interrupt)   # a stop: the servers and workers it started stop with it
     if server is not None:  # three modes: a load test of a server, speculative decoding, the peer suites
         from loom.bench.load_command import run_load_command
 
@@ -213,9 +259,6 @@ def bench(
                          max_concurrency=max_concurrency, endpoint=endpoint, ignore_eos=ignore_eos,
                          temperature=temperature, top_p=top_p)
         return
-    if temperature != 0.0 or top_p != 1.0:
-        raise typer.BadParameter("sets the requests of a load test: it needs --server",
-                                 param_hint="--temperature" if temperature != 0.0 else "--top-p")
     from loom.bench.prompts import SPEC_BENCH_PATH
     from loom.config import physical_cores
 
@@ -230,6 +273,10 @@ def bench(
                 concurrency=_int_list(concurrency, "--concurrency"), decode_tokens=decode_tokens,
                 prefill_tokens=prefill_tokens, max_tokens=max_tokens, quality_limit=limit,
                 parallel_n=_int_list(parallel_n, "--parallel-n"))
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _peer_bench(model: str, threads: int, prompts: Path, peers: str, dtype: str | None, quick: bool,

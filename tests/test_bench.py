@@ -425,7 +425,24 @@ def test_sampling_options_of_a_load_test_are_checked() -> None:
     result = CliRunner().invoke(app, ["bench", "--server", "http://127.0.0.1:9", "--temperature", "1", "--top-p", "0"])
     assert result.exit_code == 1 and "--top-p must be in (0, 1], got 0.0" in result.output
     result = CliRunner().invoke(app, ["bench", "--temperature", "0.7"])   # not a load test: refused, not ignored
-    assert result.exit_code == 2 and "it needs --server" in " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 1 and "--temperature has no effect in the peer suites" in result.output
+    assert "it is for a load test (--server)" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spec", "--concurrency", "4"], "--concurrency has no effect in --spec"),
+    (["--server", "http://127.0.0.1:9", "--spec-methods", "auto"], "--spec-methods has no effect in a load test"),
+    (["--server", "http://127.0.0.1:9", "--spec"], "--spec has no effect in a load test"),
+    (["--endpoint", "completions"], "--endpoint has no effect in the peer suites"),
+    (["--server", "http://127.0.0.1:9", "--rounds", "2"], "--rounds interleaves the servers of --peers"),
+    (["--peers", "llama.cpp", "--dtype", "float32"], "--dtype sets the plain `loom` peer"),
+    (["--concurrency", "abc"], "--concurrency: expected comma-separated integers"),
+    (["--plot", "README.md"], "--plot README.md: is a file"),
+    (["--server", "http://127.0.0.1:9", "--duration", "1", "--num-requests", "3"], "not both"),
+])
+def test_bench_options_a_mode_would_not_read_are_refused_before_it_runs(args, message) -> None:
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 1 and message in result.output, result.output
 
 
 def test_load_rates_counts_and_arrivals() -> None:

@@ -71,6 +71,8 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
                      temperature: float = 0.0, top_p: float = 1.0) -> None:
     if num_requests is not None and (not num_requests or min(num_requests) < 1):
         raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
+    if num_requests is not None and duration is not None:
+        raise BenchError("give --num-requests (requests per rate) or --duration (seconds per rate), not both")
     plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
                        max_tokens=max_tokens, quick=quick, prompts=prompts, endpoint=endpoint,
                        ignore_eos=ignore_eos, max_concurrency=max_concurrency, temperature=temperature,
