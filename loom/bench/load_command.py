@@ -49,7 +49,10 @@ def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: 
 
 
 def _save(report: dict, json_path: Path | None) -> None:
+    """The report so far, after each server's run: marked incomplete until `_write_json` writes
+    the whole one (a run that fails or is stopped keeps what it measured, said in the file)."""
     if json_path is not None:
+        report = {**report, "complete": False}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = json_path.with_name(json_path.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -59,7 +62,7 @@ def _save(report: dict, json_path: Path | None) -> None:
 def _write_json(report: dict, json_path: Path | None, out: Console) -> None:
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        json_path.write_text(json.dumps({**report, "complete": True}, indent=2) + "\n", encoding="utf-8")
         out.print(f"report written to {escape(str(json_path))}")
 
 
@@ -95,11 +98,21 @@ def _compare(url: str, plans: list[LoadSettings], model: str | None, peers: str 
     columns = targets(url, peers)
     gguf = resolve_model(model) if model and any(t.kind for t in columns) else None
     threads = threads or physical_cores()
-    with Progress(*COLUMNS, console=err, transient=True) as progress:
-        report = run_comparison(columns, plans, gguf, threads, rounds,
-                                load=lambda s, **kw: run_load(s, progress, **kw),
-                                log=lambda m: progress.console.print(escape(m)),
-                                on_run=lambda partial: _save(partial, json_path))
+    saved = []
+
+    def save(partial: dict) -> None:
+        _save(partial, json_path)
+        saved.append(True)
+
+    try:
+        with Progress(*COLUMNS, console=err, transient=True) as progress:
+            report = run_comparison(columns, plans, gguf, threads, rounds,
+                                    load=lambda s, **kw: run_load(s, progress, **kw),
+                                    log=lambda m: progress.console.print(escape(m)), on_run=save)
+    except BaseException:
+        if json_path is not None and saved:
+            err.print(f"the runs so far are kept in {escape(str(json_path))} (marked \"complete\": false)")
+        raise
     header, rows = table(report)
     sampled = (f", temperature {plans[0].temperature:g}"
                + (f", top_p {plans[0].top_p:g}" if plans[0].top_p < 1 else "")) if plans[0].temperature else ", greedy"
