@@ -150,7 +150,7 @@ def test_ctrl_c_during_generate_ends_the_line_and_says_interrupted(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "loom.cli", "generate", "-m", str(model), "Once upon a time", "--max-tokens", "60000",
          "--ignore-eos", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=str(REPO), LOOM_PACK_CACHE="0"),   # stderr: this command's lines only
         # a runner that ignores SIGINT (a background job) would pass that on to the command
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
