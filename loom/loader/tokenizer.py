@@ -333,21 +333,10 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return {t: i for i, t in enumerate(self.raw_tokens)} if self.raw_tokens else self._backend.get_vocab()
 
-    @property
-    def bos_token(self) -> str | None:
-        return self.named_tokens.get("bos_token")
-
-    @property
-    def eos_token(self) -> str | None:
-        return self.named_tokens.get("eos_token")
-
-    @property
-    def pad_token(self) -> str | None:
-        return self.named_tokens.get("pad_token")
-
-    @property
-    def unk_token(self) -> str | None:
-        return self.named_tokens.get("unk_token")
+    bos_token = property(lambda self: self.named_tokens.get("bos_token"), doc="The BOS token's text, or None.")
+    eos_token = property(lambda self: self.named_tokens.get("eos_token"), doc="The EOS token's text, or None.")
+    pad_token = property(lambda self: self.named_tokens.get("pad_token"), doc="The pad token's text, or None.")
+    unk_token = property(lambda self: self.named_tokens.get("unk_token"), doc="The unknown token's text, or None.")
 
     @property
     def all_special_ids(self) -> list[int]:
