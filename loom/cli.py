@@ -634,8 +634,6 @@ def eval_(
 ) -> None:
     """Perplexity of a text file with sliding windows; with --kld, the KL divergence from a reference
     run (as llama-perplexity --kl-divergence does)."""
-    from rich.progress import Progress
-
     _check_eval_outputs(json_path, plot, kld or base is not None)
     if base is not None and save_base is not None and base.resolve() == save_base.resolve():
         raise LoomError(f"--base and --save-base name the same directory ({base}): save this run elsewhere")
@@ -666,17 +664,7 @@ def eval_(
         reference = ev.sources.BaseSource(base, windows)
     elif kld:
         reference = ev.open_source("loom", model=model, dtype="float32", threads=threads)
-    save = ev.sources.BaseWriter(save_base, windows, source.vocab_size, source.label) if save_base else None
-    try:
-        with Progress(console=err, transient=True) as bar:
-            task = bar.add_task(f"{source.label}: {len(windows)} windows of {context}", total=len(windows))
-            result = ev.evaluate(windows, source, reference, save, progress=lambda k: bar.advance(task))
-    except BaseException:
-        if save is not None:
-            save.abort()
-        raise
-    if save is not None:
-        save.close()
+    result = _evaluate(ev, windows, source, reference, save_base, context)
     result.info.update(model=model, file=str(file), context=windows.context, stride=windows.stride,
                        windows=len(windows), text_tokens=windows.text_tokens)
     summary = report.summary(result)
@@ -690,6 +678,25 @@ def eval_(
         json_path.write_text(json.dumps(summary, indent=1))
     if plot is not None:
         report.plot_kld(result, plot)
+
+
+def _evaluate(ev, windows, source, reference, save_base: Path | None, context: int):
+    """Every window scored under a progress bar; with --save-base the run kept as a reference
+    (removed again if the run fails or is interrupted: a base already there stays as it was)."""
+    from rich.progress import Progress
+
+    save = ev.sources.BaseWriter(save_base, windows, source.vocab_size, source.label) if save_base else None
+    try:
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task(f"{source.label}: {len(windows)} windows of {context}", total=len(windows))
+            result = ev.evaluate(windows, source, reference, save, progress=lambda k: bar.advance(task))
+    except BaseException:
+        if save is not None:
+            save.abort()
+        raise
+    if save is not None:
+        save.close()
+    return result
 
 
 def _check_eval_outputs(json_path: Path | None, plot: Path | None, has_reference: bool) -> None:
