@@ -90,7 +90,7 @@ def models() -> None:
         if registry.is_cached(name):
             cached = "[green]yes[/green]"
         elif path.exists():
-            cached = "[yellow]invalid[/yellow] (run loom pull --force)"
+            cached = "[yellow]invalid[/yellow] (run loom pull)"
         else:
             cached = "no"
         label = f"{name} (default)" if name == registry.DEFAULT_MODEL else name
@@ -257,7 +257,8 @@ def bench(
                          duration=duration, max_tokens=max_tokens, quick=quick, prompts=prompts, json_path=json_path,
                          plot=plot, out=out, err=err, peers=peers, rounds=rounds, threads=threads,
                          max_concurrency=max_concurrency, endpoint=endpoint, ignore_eos=ignore_eos,
-                         temperature=temperature, top_p=top_p)
+                         temperature=temperature, top_p=top_p,
+                         model_given=ctx.get_parameter_source("model").name == "COMMANDLINE")
         return
     from loom.bench.prompts import SPEC_BENCH_PATH
     from loom.config import physical_cores

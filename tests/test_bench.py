@@ -392,6 +392,20 @@ def test_auto_endpoint_without_tokenizer_info_sends_chat(fake_openai, prompts_fi
     assert handler.bodies[0]["messages"][0]["role"] == "user" and "prompt" not in handler.bodies[0]
 
 
+def test_a_named_model_a_server_does_not_serve_is_an_error(fake_openai, prompts_file: Path) -> None:
+    """--model named with --server URL: a typo is an error listing what the server serves; left
+    at its default, the server's first model is load-tested."""
+    url, handler = fake_openai
+    result = CliRunner().invoke(app, ["bench", "--server", url, "-m", "fakee", "--rates", "max", "--num-requests", "1",
+                                      "--prompts", str(prompts_file), "--endpoint", "completions"])
+    assert result.exit_code == 1 and "does not serve model 'fakee': it serves fake" in result.output, result.output
+    handler.statuses, handler.bodies = [], []
+    result = CliRunner().invoke(app, ["bench", "--server", url, "--rates", "max", "--num-requests", "1",
+                                      "--prompts", str(prompts_file), "--endpoint", "completions", "--max-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert handler.bodies and all(b["model"] == "fake" for b in handler.bodies)
+
+
 def test_endpoint_names_and_the_gguf_chat_template(tiny_llama_path: Path, tiny_gemma3_path: Path,
                                                    tmp_path: Path) -> None:
     from loom.bench.load import LoadSettings, endpoint_for_gguf, parse_endpoint

@@ -149,6 +149,7 @@ class LoadSettings:
     max_concurrency: int | None = None
     endpoint: str = AUTO
     ignore_eos: bool = False
+    model_required: bool = False   # `model` was named: a server that does not serve it is an error
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -413,8 +414,8 @@ def saturation(levels: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _served_model(client: Any, settings: LoadSettings, timeout: Any) -> str:
-    """`settings.model` when the server lists it, else the first model of ``GET /v1/models``
-    (`client`: an aiohttp session, `timeout`: the call's)."""
+    """`settings.model` when the server lists it, else (unless the model was named: an error)
+    the first model of ``GET /v1/models`` (`client`: an aiohttp session, `timeout`: the call's)."""
     try:
         async with client.get(f"{settings.api_base}/models", timeout=timeout) as response:
             response.raise_for_status()
@@ -423,7 +424,11 @@ async def _served_model(client: Any, settings: LoadSettings, timeout: Any) -> st
         raise BenchError(f"cannot list models at {settings.api_base}/models: {e}") from None
     if not ids:
         raise BenchError(f"{settings.api_base}/models lists no model")
-    return settings.model if settings.model in ids else ids[0]
+    if settings.model in ids:
+        return settings.model
+    if settings.model_required:
+        raise BenchError(f"{settings.api_base} does not serve model {settings.model!r}: it serves {', '.join(ids)}")
+    return ids[0]
 
 
 async def _server_endpoint(client: Any, settings: LoadSettings, timeout: Any) -> tuple[str, str]:

@@ -34,11 +34,11 @@ def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: 
                duration: float | None, max_tokens: int | None, quick: bool,
                prompts: Path | None, endpoint: str = AUTO, ignore_eos: bool = False,
                max_concurrency: int | None = None, temperature: float = 0.0,
-               top_p: float = 1.0) -> list[LoadSettings]:
+               top_p: float = 1.0, model_required: bool = False) -> list[LoadSettings]:
     """One `LoadSettings` per request count (one for --duration); `endpoint` as --endpoint takes it."""
     counts: Sequence[int | None] = ((None,) if duration is not None else
                                     num_requests or ((QUICK_REQUESTS if quick else DEFAULT_REQUESTS),))
-    return [LoadSettings(url=url, model=model,
+    return [LoadSettings(url=url, model=model, model_required=model_required,
                          rates=parse_rates(rates) if rates is not None else (QUICK_RATES if quick else DEFAULT_RATES),
                          num_requests=n, duration=duration,
                          max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
@@ -71,7 +71,9 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
                      json_path: Path | None, plot: Path | None, out: Console, err: Console,
                      peers: str | None = None, rounds: int = 1, threads: int | None = None,
                      endpoint: str = AUTO, ignore_eos: bool = False, max_concurrency: int | None = None,
-                     temperature: float = 0.0, top_p: float = 1.0) -> None:
+                     temperature: float = 0.0, top_p: float = 1.0, model_given: bool = False) -> None:
+    """`loom bench --server`; `model_given`: --model was on the command line, so a server at a URL
+    that does not serve it is an error (else its first model is load-tested)."""
     if num_requests is not None and (not num_requests or min(num_requests) < 1):
         raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
     if num_requests is not None and duration is not None:
@@ -79,7 +81,7 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
     plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
                        max_tokens=max_tokens, quick=quick, prompts=prompts, endpoint=endpoint,
                        ignore_eos=ignore_eos, max_concurrency=max_concurrency, temperature=temperature,
-                       top_p=top_p)
+                       top_p=top_p, model_required=model_given and url != "start" and not peers)
     if url != "start" and not peers and len(plans) == 1:
         with Progress(*COLUMNS, console=err, transient=True) as progress:
             report = run_load(plans[0], progress)
