@@ -84,7 +84,6 @@ class Engine:
         self.model_path = path
         self.model_name = config.load.model
         self.load_seconds = time.perf_counter() - t0
-        cfg = self.model.cfg
         self.kv_dtype = self._kv_dtype()
         num_blocks = self._num_blocks()
         bs = config.cache.block_size

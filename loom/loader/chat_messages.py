@@ -120,7 +120,8 @@ def tool_list(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequestError(f"tools[{i}]: a tool is {{'type': 'function', 'function': {{'name': ..., "
                                       "'description': ..., 'parameters': {...}}}}")
-        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+        # `strict` is the API's promise about the arguments, not something to show the model
+        out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None and k != "strict"}})
     return out
 
 

@@ -41,14 +41,14 @@ import json
 import uuid
 from typing import Any
 
+from loom.loader.chat_messages import tool_list
+
 _OPENING = ("{", '"tool_calls"', ":", "[")
 _JSON_SPACE = " \t\n\r"
 
 def tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
-    """The request's tools as plain OpenAI-shaped dicts."""
-    return [{"type": "function", "function": {k: v for k, v in {
-        "name": t.function.name, "description": t.function.description,
-        "parameters": t.function.parameters}.items() if v is not None}} for t in tools]
+    """The request's tools (validated models) as plain OpenAI-shaped dicts, as `LLM.chat` takes them."""
+    return tool_list([t.model_dump(exclude_none=True) for t in tools])
 
 
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples"})   # values that are JSON data, not schemas
