@@ -265,12 +265,15 @@ def test_cluster_stats_sum_the_replicas():
 # -- request marking, metrics, options -----------------------------------------------------------
 
 
-def test_routing_text_of_completions_and_chat():
+def test_routing_text_of_completions_chat_and_responses():
     assert routing_text(b'{"prompt": "hello", "stream": true}') == ("hello", True)
     assert routing_text(b'{"prompt": ["first", "second"]}') == ("first", False)
     chat = (b'{"messages": [{"role": "system", "content": "be brief"}, '
             b'{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}')
     assert routing_text(chat) == ("<system>be brief<user>hi", False)
+    assert routing_text(b'{"input": "hi", "instructions": "be brief"}') == ("<system>be brief<user>hi", False)
+    assert routing_text(b'{"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}') == \
+        ("<user>hi", False)
     assert routing_text(b"{not json") == ("", False)
     assert routing_text(b'[1, 2]') == ("", False)
 

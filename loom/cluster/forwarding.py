@@ -54,7 +54,7 @@ def _text_of(content: Any) -> str:
 
 
 def routing_text(body: bytes) -> tuple[str, bool]:
-    """(the leading text of a completions/chat request's prompt, whether it asks for a stream);
+    """(the leading text of a completions/chat/responses request's prompt, whether it asks for a stream);
     ('', False) for anything else (the replica answers what it is)."""
     try:
         data = json.loads(body)
@@ -64,6 +64,11 @@ def routing_text(body: bytes) -> tuple[str, bool]:
         return "", False
     stream = data.get("stream") is True
     prompt, messages = data.get("prompt"), data.get("messages")
+    if prompt is None and messages is None and "input" in data:   # the Responses API: instructions first
+        given = data["input"] if isinstance(data["input"], list) else [{"role": "user", "content": data["input"]}]
+        instructions = data.get("instructions")
+        system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        messages = system + given
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]                         # a batch: route by its first prompt
     if isinstance(prompt, str):

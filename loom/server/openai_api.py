@@ -4,6 +4,8 @@ Endpoints:
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON answers, or server-sent
   events with ``"stream": true`` (ending in ``data: [DONE]``);
+* ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``: OpenAI's Responses API over
+  the chat completions (responses.py);
 * ``GET /v1/models``, ``GET /v1/models/{id}``: the served model;
 * ``GET /v1/loom/stats``: running/waiting requests and KV usage as JSON (the playground's feed);
 * ``GET /health``, ``GET /version``, ``GET /metrics`` (Prometheus), ``GET /`` (playground).
@@ -88,6 +90,8 @@ from loom.server.protocol import (
     UsageInfo,
     VersionResponse,
 )
+from loom.server.responses import ResponsesServing, responses_router
+from loom.server.responses_protocol import ResponseStreamEvent
 from loom.server.sse import DONE, EventStreamResponse, PlainChunks, event
 from loom.server.tools import AutoStream, CallStream, ToolPlan, tool_dicts
 
@@ -585,7 +589,10 @@ class OpenAIServing:
                             plain=plain, score_only=score_only)
 
     # -- chat completions ----------------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | Response:
+    async def chat(self, body: ChatCompletionRequest, request: Request,
+                   translate: Callable[[AsyncIterator[str]], AsyncIterator[str]] | None = None,
+                   ) -> ChatCompletionResponse | Response:
+        """A chat completion; streamed, `translate` may rewrite its events (the Responses API's)."""
         self.check_model(body.model)
         _check_stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -610,7 +617,7 @@ class OpenAIServing:
         if body.stream:
             include_usage = _usage_mode(body.stream_options)
             events = self._chat_events(group, body, rid, created, top_k, include_usage, tools)
-            return await self.open_stream(group, request, events)
+            return await self.open_stream(group, request, events if translate is None else translate(events))
         finals = await self.collect(group, request)
         usage, extension = self.usage(finals, body.n, _prediction(body)), None
         if plan is not None and plan.aggregator is not None:  # one chosen answer
@@ -778,6 +785,10 @@ def _state_server_limits(schema: dict[str, Any], *, model: str, vocab_size: int,
         stop_ids = [s for s in props["stop_token_ids"].get("anyOf", []) if s.get("type") == "array"]
         for branch in stop_ids:
             branch["items"]["maximum"] = vocab_size - 1
+    responses = components["ResponsesRequest"]["properties"]
+    responses["model"]["anyOf"] = [{"type": "string", "enum": [model]}, {"type": "null"}]
+    for branch in _integer_branches(responses["max_output_tokens"]) if max_tokens_limit is not None else ():
+        branch["maximum"] = max_tokens_limit
     for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         items = form.get("items", {})
         for ids in (items, items.get("items", {})):
@@ -858,12 +869,13 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
         return Response(status_code=499)
 
     app.include_router(_v1_router(serving, api_key))
+    app.include_router(_responses_router(serving, api_key))
     app.include_router(_tokenizer_router(serving, api_key))
     _add_service_routes(app, ae, metrics)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     if cors is not None:
         cors.install(app)
-    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk], model=name,
+    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent], model=name,
                     vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
     return app
 
@@ -902,6 +914,13 @@ def _v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
         return await serving.stats()
 
     return v1
+
+
+def _responses_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+    """OpenAI's Responses API under /v1 (see responses.py)."""
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    gen_errors = {**_GENERATE_ERRORS, **({401: _ERRORS} if api_key else {})}
+    return responses_router(ResponsesServing(serving), auth, gen_errors, _sse_doc("ResponseStreamEvent"))
 
 
 def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
