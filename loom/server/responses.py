@@ -193,13 +193,14 @@ class ResponsesServing:
         given = body.text.format if body.text is not None else None
         fmt = given.model_dump(exclude_none=True, by_alias=True) if given is not None else None
         choice = body.tool_choice
+        choice = choice.model_dump() if choice is not None and not isinstance(choice, str) else (choice or "auto")
         return ResponseObject(
             id=rid, created_at=int(time.time()), status=status, instructions=body.instructions,
             max_output_tokens=body.max_output_tokens, model=self.chat.model, output=[],
             parallel_tool_calls=body.parallel_tool_calls is not False, previous_response_id=body.previous_response_id,
             store=body.store, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_logprobs=body.top_logprobs,
-            tool_choice=choice.model_dump() if choice is not None and not isinstance(choice, str) else (choice or "auto"),
+            tool_choice=choice,
             tools=[t.model_dump(exclude_none=True, by_alias=True) for t in body.tools or []],
             text={"format": fmt or {"type": "text"}}, metadata=body.metadata or {}, user=body.user)
 
