@@ -92,6 +92,17 @@ def test_previous_response_id_continues_the_conversation(real: LoomServer) -> No
         {"role": "user", "content": [{"type": "input_text", "text": "What is my name?"}]}])
     assert again.output_text == second.output_text
 
+    items = api.responses.input_items.list(again.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "message", "message"] and not items.has_more
+    assert [i.role for i in items.data] == ["user", "assistant", "user"]
+    assert items.data[1].id == first.output[0].id and items.data[2].content[0].text == "What is my name?"
+    newest = api.responses.input_items.list(again.id, limit=1)
+    assert [i.id for i in newest.data] == [items.data[2].id] and newest.has_more
+    assert [i.id for i in api.responses.input_items.list(again.id, limit=1, after=newest.data[0].id).data] == \
+        [items.data[1].id]
+    with pytest.raises(openai.BadRequestError, match="background"):
+        api.responses.cancel(again.id)
+
     unstored = api.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(unstored.id)

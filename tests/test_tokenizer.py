@@ -102,9 +102,17 @@ def corpus() -> list[str]:
 
 
 def _byte_level_reference(path: Path) -> Any:
+    """transformers' tokenizer of the file, split as the model's own tokenizer.json splits:
+    SmolLM2's isolates every digit first (Digits, then ByteLevel), as llama.cpp does;
+    transformers' GGUF conversion leaves that step out (see loom's DIGIT_FIRST)."""
+    from tokenizers import pre_tokenizers
     from transformers import TokenizersBackend
 
-    return TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=True)])
+    return ref
 
 
 def _gemma_reference(path: Path) -> Any:
@@ -347,6 +355,15 @@ CHATS = [
 
 
 @pytest.mark.real_model
+def test_smollm_digits_split_as_llama_cpp_splits_them(smollm: Tokenizer) -> None:
+    """llama.cpp's ids for SmolLM2 (llama-cpp-python 0.3.36, vocab_only): a digit after a run of
+    whitespace or a space before another numeral is a token of its own."""
+    assert smollm.encode("1. First\n\n2. Second", add_special_tokens=False) == [33, 30, 3508, 1116, 34, 30, 5665]
+    assert smollm.encode("x = [\n    1,\n    2,\n]", add_special_tokens=False) == \
+        [104, 446, 933, 2367, 33, 28, 2367, 34, 28, 198, 77]
+    assert smollm.encode(" ①", add_special_tokens=False) == [216, 173, 235, 250]
+
+
 def test_smollm_chat_template(smollm: Tokenizer) -> None:
     assert smollm.apply_chat_template(CHATS[0]) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

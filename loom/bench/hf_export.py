@@ -2,7 +2,8 @@
 
 transformers dequantizes the GGUF; the model is rebuilt from its config without the
 quantization config and saved as bfloat16 safetensors with the GGUF's tokenizer and chat
-template, under ``<loom cache>/peers/hf/<gguf stem>``. The directory is written under a
+template (split as the model's own tokenizer splits where transformers' conversion does not:
+`loom.loader.tokenizer.DIGIT_FIRST`), under ``<loom cache>/peers/hf/<gguf stem>``. The directory is written under a
 temporary name and renamed into place, so a killed export never leaves a half-written model
 that a later run would take.
 """
@@ -18,6 +19,7 @@ from loom.bench.settings import BenchError
 from loom.loader.registry import cache_dir
 
 DONE_MARK = "loom-export.done"
+EXPORT_FORMAT = "2"   # a done mark of another format is exported again (2: the digit-first split)
 
 
 def export_dir(gguf: Path) -> Path:
@@ -27,7 +29,8 @@ def export_dir(gguf: Path) -> Path:
 def export_hf(gguf: Path, out: Path | None = None, log=lambda msg: print(msg, file=sys.stderr)) -> Path:
     """The exported directory of `gguf` (made on the first call)."""
     out = out or export_dir(gguf)
-    if (out / DONE_MARK).is_file():
+    mark = out / DONE_MARK
+    if mark.is_file() and f"format {EXPORT_FORMAT}" in mark.read_text().splitlines():
         return out
     try:
         import torch
@@ -47,6 +50,7 @@ def export_hf(gguf: Path, out: Path | None = None, log=lambda msg: print(msg, fi
         if set(missing) - tied:
             raise BenchError(f"exporting {gguf.name}: weights missing after conversion: {sorted(missing)[:5]}")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _split_as_the_model(tokenizer, gguf)
     except (OSError, ValueError, KeyError) as e:
         raise BenchError(f"cannot export {gguf.name} with transformers: {e}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +58,7 @@ def export_hf(gguf: Path, out: Path | None = None, log=lambda msg: print(msg, fi
     try:
         model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / DONE_MARK).write_text(f"{gguf}\n")
+        (staging / DONE_MARK).write_text(f"{gguf}\nformat {EXPORT_FORMAT}\n")
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -62,3 +66,16 @@ def export_hf(gguf: Path, out: Path | None = None, log=lambda msg: print(msg, fi
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _split_as_the_model(tokenizer, gguf: Path) -> None:
+    """The digit-first split of the vocabularies whose own tokenizer has it (SmolLM2's)."""
+    from tokenizers import pre_tokenizers
+
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import DIGIT_FIRST
+
+    if str(GGUFFile.open(gguf).metadata.get("tokenizer.ggml.pre", "")) in DIGIT_FIRST:
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])

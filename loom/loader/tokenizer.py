@@ -17,7 +17,8 @@ is the reference the tests check against):
   its 515k merges for `tokenizers` took 1.0 s of a 1.3 s load, the model 0.05 s.
 
 Where transformers and llama.cpp read a file differently (see the notes at
-`PRE_TOKENIZER_SPLITS` and `_sentencepiece_backend`), loom follows transformers.
+`PRE_TOKENIZER_SPLITS` and `_sentencepiece_backend`), loom follows transformers, except where
+transformers departs from the model's own tokenizer (`DIGIT_FIRST`).
 
 Control tokens (type 3), the named bos/eos/unk/pad tokens and user-defined tokens (type 4) are
 matched whole wherever they occur in text; only the first two kinds count as special (dropped by
@@ -82,11 +83,12 @@ _GPT4O_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# Note on "smollm" (SmolLM/SmolLM2): llama.cpp and the model's own tokenizer.json isolate every
-# digit before GPT-2's split, so "\n\n1" becomes ["\n\n", "1"]. transformers' GGUF conversion
-# has no entry for it and uses GPT-2's split alone, giving ["\n", "\n", "1"]. loom follows
-# transformers; the two differ only where a run of 2+ whitespace characters precedes a digit
-# (the vocabulary has no token mixing digits with other characters).
+# "smollm" (SmolLM/SmolLM2): the model's own tokenizer.json isolates every digit before GPT-2's
+# split (Digits(individual_digits) then ByteLevel), as llama.cpp does, so "\n\n1" is ["\n\n", "1"]
+# and " ①" is [" ", "①"]. transformers' GGUF conversion has no entry for it and uses GPT-2's split
+# alone (["\n", "\n", "1"]); loom follows the model's tokenizer here, which is what the model was
+# trained on (a numbered list after a blank line, re-read in a later turn, keeps its ids).
+DIGIT_FIRST = frozenset({"smollm"})
 PRE_TOKENIZER_SPLITS: dict[str, str] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
                      "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
@@ -278,13 +280,21 @@ class Tokenizer:
 
     # -- text <-> ids ------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's flags say."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; with `add_special_tokens`, BOS/EOS as the model's flags say.
+        Text that is not Unicode (a lone UTF-16 surrogate, as JSON's "\\ud800" can carry) raises
+        `TokenizerError` saying where."""
+        try:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        except (TypeError, RuntimeError, ValueError):
+            raise _not_text(text) from None
         return self._frame(ids) if add_special_tokens else ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts at once (parallel inside the backend)."""
-        out = [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            out = [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        except (TypeError, RuntimeError, ValueError):
+            raise next((_not_text(t) for t in texts if not _is_text(t)), TokenizerError("texts must be str")) from None
         return [self._frame(ids) for ids in out] if add_special_tokens else out
 
     def _frame(self, ids: list[int]) -> list[int]:
@@ -331,7 +341,10 @@ class Tokenizer:
         return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]
 
     def get_vocab(self) -> dict[str, int]:
-        return {t: i for i, t in enumerate(self.raw_tokens)} if self.raw_tokens else self._backend.get_vocab()
+        """Token spelling -> id, spelled as `id_to_token` spells them (Gemma's spaces as "▁")."""
+        if not self.raw_tokens:
+            return self._backend.get_vocab()
+        return {self._backend.id_to_token(i) or t: i for i, t in enumerate(self.raw_tokens)}
 
     bos_token = property(lambda self: self.named_tokens.get("bos_token"), doc="The BOS token's text, or None.")
     eos_token = property(lambda self: self.named_tokens.get("eos_token"), doc="The EOS token's text, or None.")
@@ -405,6 +418,28 @@ class Tokenizer:
         return ids
 
 
+def _is_text(text: Any) -> bool:
+    if not isinstance(text, str):
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_text(text: Any) -> TokenizerError:
+    """The error for an input the backend refused: not a str, or a str with a lone surrogate."""
+    if not isinstance(text, str):
+        return TokenizerError(f"text must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return TokenizerError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start} "
+                              "(UTF-16 surrogates must come in pairs)")
+    return TokenizerError("the tokenizer cannot encode this text")
+
+
 # transformers' apply_chat_template options for a tensor or dict output, which loom's does not give
 _HF_OUTPUT_OPTIONS = frozenset({"return_dict", "return_tensors", "padding", "truncation", "max_length",
                                 "return_assistant_tokens_mask", "tokenizer_kwargs"})
@@ -473,8 +508,14 @@ def _byte_level_backend(f: GGUFFile, tokens: list[str]) -> tuple[_Backend, list[
     except Exception as e:  # the Rust side rejects merges of unknown tokens, malformed pairs
         raise ModelLoadError(f.path, f"inconsistent BPE merges: {e}") from None
     backend = _Backend(model)
-    split = PRE_TOKENIZER_SPLITS.get(str(f.metadata.get("tokenizer.ggml.pre", "")))
-    if split is None:
+    pre = str(f.metadata.get("tokenizer.ggml.pre", ""))
+    split = PRE_TOKENIZER_SPLITS.get(pre)
+    if pre in DIGIT_FIRST:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence([

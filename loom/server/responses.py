@@ -1,5 +1,6 @@
 """OpenAI's Responses API over the chat completions path: ``POST /v1/responses``,
-``GET`` / ``DELETE /v1/responses/{id}``.
+``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``,
+``POST /v1/responses/{id}/cancel`` (a 400: nothing runs in the background).
 
 A request becomes a chat completion request (its input items as messages, after the stored
 conversation of `previous_response_id` and its `instructions` as a system message; function
@@ -22,9 +23,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from loom.server.errors import ApiError
@@ -33,7 +34,10 @@ from loom.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOut,
     FunctionCallOutputItem,
+    FunctionCallOutputOut,
+    InputItemList,
     InputMessage,
+    InputMessageOut,
     LogprobOut,
     OutputMessage,
     OutputText,
@@ -137,16 +141,34 @@ def usage_of(usage: dict[str, Any]) -> ResponseUsage:
                          output_tokens=usage["completion_tokens"], total_tokens=usage["total_tokens"])
 
 
+def stored_items(body: ResponsesRequest) -> list[InputMessageOut | FunctionCallOut | FunctionCallOutputOut]:
+    """The request's input items as a stored response lists them, each with an id."""
+    if isinstance(body.input, str):
+        return [InputMessageOut(id=_new_id("msg"), role="user", content=[{"type": "input_text", "text": body.input}])]
+    items: list[InputMessageOut | FunctionCallOut | FunctionCallOutputOut] = []
+    for item in body.input:
+        if isinstance(item, InputMessage):
+            parts = ([{"type": "input_text", "text": item.content}] if isinstance(item.content, str) else
+                     [{"type": p.type, "text": p.text} for p in item.content])
+            items.append(InputMessageOut(id=item.id or _new_id("msg"), role=item.role, content=parts))
+        elif isinstance(item, FunctionCallItem):
+            items.append(FunctionCallOut(id=item.id or _new_id("fc"), call_id=item.call_id, name=item.name,
+                                         arguments=item.arguments, status="completed"))
+        else:
+            items.append(FunctionCallOutputOut(id=item.id or _new_id("fco"), call_id=item.call_id, output=item.text))
+    return items
+
+
 class ResponseStore:
     """The latest `size` stored responses, each with the conversation it ends (chat messages,
-    instructions left out: a continuation gives its own)."""
+    instructions left out: a continuation gives its own) and its input items."""
 
     def __init__(self, size: int = STORE_SIZE):
         self.size = size
-        self._entries: OrderedDict[str, tuple[ResponseObject, list[dict[str, Any]]]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[ResponseObject, list[dict[str, Any]], list]] = OrderedDict()
 
-    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
-        self._entries[response.id] = (response, conversation)
+    def put(self, response: ResponseObject, conversation: list[dict[str, Any]], items: list) -> None:
+        self._entries[response.id] = (response, conversation, items)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
 
@@ -171,6 +193,28 @@ class ResponseStore:
         self.get(response_id)
         del self._entries[response_id]
         return ResponseDeleted(id=response_id)
+
+    def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
+        """A page of the response's input items: `limit` of them after the item `after`, oldest
+        first with order asc (newest first by default, as OpenAI lists them)."""
+        self.get(response_id)
+        items = list(self._entries[response_id][2])
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.id for item in items]
+            if after not in ids:
+                raise ApiError(400, f"after {after!r} is not an input item of response {response_id!r}",
+                               param="after", code="invalid_value")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return InputItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                             has_more=len(items) > limit)
+
+    def cancel(self, response_id: str) -> None:
+        self.get(response_id)
+        raise ApiError(400, "Only responses created with background=true can be cancelled; this server runs none "
+                       "in the background, so this one has finished.", param="response_id", code="invalid_value")
 
 
 def _assistant_turn(output: list[OutputMessage | FunctionCallOut]) -> list[dict[str, Any]]:
@@ -240,7 +284,7 @@ class ResponsesServing:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
         response = ResponseObject.model_validate(response.model_dump())
         if body.store:
-            self.store.put(response, conversation + _assistant_turn(output))
+            self.store.put(response, conversation + _assistant_turn(output), stored_items(body))
         return response
 
 
@@ -359,7 +403,8 @@ class ResponseEvents:
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
         response = ResponseObject.model_validate(response.model_dump())
         if self.body.store:
-            self.serving.store.put(response, self.conversation + _assistant_turn(response.output))
+            self.serving.store.put(response, self.conversation + _assistant_turn(response.output),
+                                   stored_items(self.body))
         return out + [self._event(f"response.{status}", response=response)]
 
     def _failed(self, error: dict[str, Any]) -> list[str]:
@@ -395,7 +440,7 @@ class ResponseEvents:
 
 
 def responses_router(serving: ResponsesServing, dependencies: list, errors: dict, sse_doc: dict) -> APIRouter:
-    """/v1/responses: create, retrieve, delete."""
+    """/v1/responses: create, retrieve, delete, input items, cancel."""
     v1 = APIRouter(prefix="/v1", dependencies=dependencies)
     not_found = {**errors, 404: errors[400]}
 
@@ -413,5 +458,17 @@ def responses_router(serving: ResponsesServing, dependencies: list, errors: dict
     async def delete_response(response_id: str) -> ResponseDeleted:
         """Forgets a stored response."""
         return serving.store.delete(response_id)
+
+    @v1.get("/responses/{response_id}/input_items", response_model=InputItemList, responses=not_found)
+    async def list_input_items(response_id: str, after: str | None = None,
+                               limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc") -> InputItemList:
+        """A stored response's input items."""
+        return serving.store.input_items(response_id, after, limit, order)
+
+    @v1.post("/responses/{response_id}/cancel", response_model=ResponseObject, responses=not_found)
+    async def cancel_response(response_id: str) -> ResponseObject:
+        """Cancels a background response: none run here, so a stored response is a 400."""
+        serving.store.cancel(response_id)
 
     return v1

@@ -341,6 +341,35 @@ class ResponseStreamEvent(_Response):
     param: str | None = None
 
 
+class InputMessageOut(_Response):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["user", "assistant", "system", "developer"]
+    status: ITEM_STATUS = "completed"
+    content: list[dict[str, Any]]
+
+
+class FunctionCallOutputOut(_Response):
+    type: Literal["function_call_output"] = "function_call_output"
+    id: str
+    call_id: str
+    output: str
+    status: ITEM_STATUS = "completed"
+
+
+StoredItem = Annotated[InputMessageOut | FunctionCallOut | FunctionCallOutputOut, Field(discriminator="type")]
+
+
+class InputItemList(_Response):
+    """A page of a stored response's input items (GET /v1/responses/{id}/input_items)."""
+
+    object: Literal["list"] = "list"
+    data: list[StoredItem]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
 class ResponseDeleted(_Response):
     id: str
     object: Literal["response.deleted"] = "response.deleted"
