@@ -450,6 +450,9 @@ BAD_REQUESTS = [
     ("bad-role", CHAT, b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role", "user"),
     ("image-part", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
      "messages.0.content.0.type", "'text'"),
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "x\\ud800y"}]}', 400, "messages",
+     "lone surrogate"),
+    ("lone-surrogate-tokenize", "/tokenize", b'{"prompt": "x\\ud800y"}', 400, "prompt", "lone surrogate"),
     ("top-logprobs-alone", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
      "top_logprobs", "logprobs"),
 ]

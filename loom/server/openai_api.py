@@ -708,7 +708,10 @@ class OpenAIServing:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
         if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:
+                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            except TokenizerError as e:
+                raise ApiError(400, str(e), param="prompt", code="invalid_value") from None
         else:
             try:
                 ids = tok.encode_chat(_message_dicts(body.messages, tok.chat_template),
