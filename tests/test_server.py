@@ -379,6 +379,35 @@ def test_echo_offsets_are_places_in_the_returned_text(strict: LoomServer) -> Non
         assert offsets == sorted(offsets) and offsets[-3] == len("hello world"), (tokens, offsets)
 
 
+def test_logprobs_of_tokens_inside_a_character_carry_their_own_bytes(real: LoomServer) -> None:
+    """Japanese text comes as tokens that split characters: each is named as OpenAI names it
+    (bytes:\\x..), its bytes join into the answer's text, the k alternatives of a position keep
+    k names, and every text offset is a place in the returned text, streamed or not."""
+    prompt = "日本語で自己紹介してください。私の名前は"
+    chat = client(real).chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Translate to Japanese: I love cats."}],
+        max_tokens=20, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert any(t.token.startswith("bytes:") for t in content), "the answer should split a character"
+    # (the budget may end inside a character: its bytes are then the text's last, replaced, one)
+    joined = bytes(b for t in content for b in t.bytes).decode("utf-8", errors="ignore")
+    assert joined == chat.choices[0].message.content.rstrip("\ufffd")
+    assert all(len(t.top_logprobs) == 2 for t in content)
+
+    kwargs = dict(model="smollm2-135m", prompt=prompt, max_tokens=12, temperature=0, logprobs=5, echo=True)
+    done = client(real).completions.create(**kwargs).choices[0]
+    lp = done.logprobs
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(done.text)
+    generated = lp.tokens[-12:]
+    assert any(t.startswith("bytes:") for t in generated)
+    assert all(len(top) == 5 or (len(top) == 6 and token not in list(top)[:5])
+               for token, top in zip(generated, lp.top_logprobs[-12:]))
+    assert all(top[token] == pytest.approx(value) for token, top, value in
+               zip(generated, lp.top_logprobs[-12:], lp.token_logprobs[-12:]))
+    chunks = list(client(real).completions.create(stream=True, **kwargs))
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
 def test_streamed_offsets_match_the_whole_answer_when_a_stop_string_holds_text_back(tiny: LoomServer) -> None:
     kwargs = dict(model="tiny-llama", prompt="hello world", max_tokens=8, temperature=0, logprobs=1,
                   extra_body={"ignore_eos": True})

@@ -123,6 +123,11 @@ def byte_to_unicode() -> dict[int, str]:
     return table
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {ch: b for b, ch in byte_to_unicode().items()}
+
+
 @contextmanager
 def _collector_paused():
     """Python's cyclic collector off while a vocabulary's merges are built: half a million
@@ -311,6 +316,21 @@ class Tokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         except OverflowError:
             raise TokenizerError(f"cannot decode negative token ids: {[i for i in ids if i < 0][:5]}") from None
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for: its text, or, for a token that is part of a UTF-8
+        character (whose text alone is U+FFFD), the byte-level or <0xNN> piece's raw bytes."""
+        text = self.decode([i])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.id_to_token(i) or ""
+        if self.vocab_kind == "byte_level":
+            table = _unicode_to_byte()
+            if piece and all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return text.encode("utf-8")
 
     def token_to_id(self, tok: str) -> int | None:
         return self._backend.token_to_id(tok)

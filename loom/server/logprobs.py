@@ -8,18 +8,72 @@
 
 JSON has no infinities: a logprob of -inf (or NaN) is reported as -9999.0.
 
-With `as_ids` (vLLM's return_tokens_as_token_ids) each token, chosen or alternative, is named
-"token_id:<id>" instead of its text, so that a client gets the exact ids (a token that is not
-valid UTF-8 alone has no text of its own); text offsets and bytes stay those of the text.
+A token that is part of a UTF-8 character (its text alone is U+FFFD) is named as OpenAI names
+it, ``bytes:\\xe6\\x97``, and its ``bytes`` are its own (`Spelling`): a client joins the
+bytes into the text, and the alternatives of one position no longer share a name. With `as_ids`
+(vLLM's return_tokens_as_token_ids) each token is named "token_id:<id>" instead. Text offsets
+count characters of the returned text: a token's offset is the number of characters completed
+before it (`TextCursor`), so a token that ends a character begun earlier points at it.
 """
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Sequence
 
 from loom.outputs import Logprob
 from loom.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+class Spelling:
+    """Tokens' names and bytes from the tokenizer (cached per id)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._special = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        out = self._bytes.get(token_id)
+        if out is None:
+            out = self._bytes[token_id] = self._tokenizer.token_bytes(token_id)
+        return out
+
+    def name(self, token_id: int, as_ids: bool = False) -> str:
+        if as_ids:
+            return f"token_id:{token_id}"
+        raw = self.bytes_of(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def in_text(self, token_id: int) -> bytes:
+        """What the token adds to the returned text (nothing for a skipped special token)."""
+        return b"" if token_id in self._special else self.bytes_of(token_id)
+
+    def skipping(self, skip_special_tokens: bool) -> "Spelling":
+        if skip_special_tokens == bool(self._special):
+            return self
+        other = Spelling.__new__(Spelling)
+        other._tokenizer, other._bytes = self._tokenizer, self._bytes
+        other._special = frozenset(self._tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        return other
+
+
+class TextCursor:
+    """Character offsets in a text as its tokens' bytes arrive, from `offset` on."""
+
+    def __init__(self, offset: int = 0):
+        self.offset = offset
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, data: bytes) -> int:
+        """The offset of a token of these bytes: the characters completed before it."""
+        at = self.offset
+        self.offset += len(self._decoder.decode(data))
+        return at
 
 FLOOR_LOGPROB = -9999.0
 
@@ -32,7 +86,9 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
-def token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
+def token_name(token_id: int, lp: Logprob, as_ids: bool, spelling: Spelling | None = None) -> str:
+    if spelling is not None:
+        return spelling.name(token_id, as_ids)
     return f"token_id:{token_id}" if as_ids else _text(lp)
 
 
@@ -43,41 +99,28 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int,
-                        offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
-    """The completions layout for `token_ids`; offsets start at `offset` (the length of any
-    text returned before these tokens: an echoed prompt, or earlier stream chunks)."""
+                        spelling: Spelling, cursor: TextCursor, as_ids: bool = False) -> CompletionLogprobs:
+    """The completions layout for `token_ids`; offsets from `cursor` (at the end of any text
+    returned before these tokens: an echoed prompt, or earlier stream chunks), which moves on."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id)
-        text = _text(chosen) if chosen is not None else ""
-        name = f"token_id:{token_id}" if as_ids else text
+        name = spelling.name(token_id, as_ids)
         tokens.append(name)
         token_logprobs.append(finite(chosen.logprob) if chosen is not None else None)
-        top = {token_name(t, lp, as_ids): finite(lp.logprob) for t, lp in _top(entry, k)}
+        top = {spelling.name(t, as_ids): finite(lp.logprob) for t, lp in _top(entry, k)}
         if chosen is not None:
-            top.setdefault(name, finite(chosen.logprob))
+            top[name] = finite(chosen.logprob)
         top_logprobs.append(top)
-        text_offset.append(offset)
-        offset += len(text)
+        text_offset.append(cursor.advance(spelling.in_text(token_id)))
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
                               text_offset=text_offset)
 
 
-def text_length(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int]) -> int:
-    """The characters `token_ids` span in the completions layout's offsets (a token without
-    an entry spans none, as there)."""
-    total = 0
-    for token_id, entry in zip(token_ids, entries):
-        chosen = entry.get(token_id)
-        if chosen is not None:
-            total += len(_text(chosen))
-    return total
-
-
-def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int,
+def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], k: int, spelling: Spelling,
                   as_ids: bool = False) -> ChatLogprobs:
     """The chat layout for `token_ids` with `k` alternatives per token."""
     content = []
@@ -85,8 +128,8 @@ def chat_logprobs(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int
         chosen = entry.get(token_id)
         if chosen is None:
             continue
-        top = [TopLogprob(token=token_name(t, lp, as_ids), logprob=finite(lp.logprob),
-                          bytes=list(_text(lp).encode("utf-8"))) for t, lp in _top(entry, k)]
-        content.append(ChatTokenLogprob(token=token_name(token_id, chosen, as_ids), logprob=finite(chosen.logprob),
-                                        bytes=list(_text(chosen).encode("utf-8")), top_logprobs=top))
+        top = [TopLogprob(token=spelling.name(t, as_ids), logprob=finite(lp.logprob),
+                          bytes=list(spelling.bytes_of(t))) for t, lp in _top(entry, k)]
+        content.append(ChatTokenLogprob(token=spelling.name(token_id, as_ids), logprob=finite(chosen.logprob),
+                                        bytes=list(spelling.bytes_of(token_id)), top_logprobs=top))
     return ChatLogprobs(content=content)

@@ -53,7 +53,7 @@ from loom.server.errors import (
     retry_headers,
 )
 from loom.server.limits import BodySizeLimit, Cors
-from loom.server.logprobs import chat_logprobs, completion_logprobs, finite, text_length, token_name
+from loom.server.logprobs import Spelling, TextCursor, chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
     DetokenizeRequest,
@@ -242,17 +242,20 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogprobs, echo: str,
-                          decode: Callable[[list[int]], str], as_ids: bool = False) -> CompletionLogprobs:
+                          spelling: Spelling, as_ids: bool = False) -> CompletionLogprobs:
     """The legacy layout of an echoed prompt's tokens (the first one's logprob and top null: nothing
     precedes it), followed by `completion`'s (whose offsets already count the echoed text). The
     offsets are places in the returned text: a BOS the tokenizer added to a text prompt is not
-    in the echoed text, so it takes no characters there."""
+    in the echoed text, so it takes no characters there (a special token spelled in the prompt's
+    text does)."""
     ids = out.prompt_token_ids
     entries = out.prompt_logprobs or [None]
-    first = decode(ids[:1])
-    width = len(first) if echo.startswith(first) else 0
-    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k, offset=width, as_ids=as_ids)
-    tokens = [f"token_id:{ids[0]}" if as_ids else first] + rest.tokens
+    spelling = spelling.skipping(False)
+    cursor, first = TextCursor(), spelling.bytes_of(ids[0])
+    if echo.encode("utf-8").startswith(first):
+        cursor.advance(first)
+    rest = completion_logprobs(entries[1:], ids[1:len(entries)], k, spelling, cursor, as_ids)
+    tokens = [spelling.name(ids[0], as_ids)] + rest.tokens
     offsets = [0] + rest.text_offset
     return CompletionLogprobs(tokens=tokens + completion.tokens,
                               token_logprobs=[None] + rest.token_logprobs + completion.token_logprobs,
@@ -348,6 +351,7 @@ class OpenAIServing:
         self.model = served_model_name
         self.max_tokens_limit = max_tokens_limit
         self.metrics = metrics
+        self.spelling = Spelling(ae.tokenizer)   # tokens' names and bytes in logprobs
         self.created = int(time.time())
         self.open_streams: set[ChoiceGroup] = set()   # ended by stop_streams when the server stops
         self.open_answers: set[ChoiceGroup] = set()   # non-streamed: a 503 then, not a cancelled task's 500
@@ -481,15 +485,16 @@ class OpenAIServing:
         if plan is not None and plan.aggregator is not None:  # one chosen answer per prompt
             (finals, extension), per = plan.aggregate(group.prompt_choices()), 1
         choices, as_ids = [], body.return_tokens_as_token_ids
+        spelling = self.spelling.skipping(body.skip_special_tokens)
         for index, out in enumerate(finals):
             c = out.outputs[0]
             echo = echoes[index // per] if echoes else ""
             text, ids, lps = ("", [], []) if score_only else (c.text, c.token_ids, c.logprobs or [])
             lp = None
             if body.logprobs is not None:
-                lp = completion_logprobs(lps, ids, body.logprobs, offset=len(echo), as_ids=as_ids)
+                lp = completion_logprobs(lps, ids, body.logprobs, spelling, TextCursor(len(echo)), as_ids)
                 if body.echo:
-                    lp = _with_prompt_logprobs(out, body.logprobs, lp, echo, self.ae.tokenizer.decode, as_ids)
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, echo, spelling, as_ids)
             choices.append(CompletionChoice(index=index, text=echo + text, logprobs=lp,
                                             prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids),
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -548,11 +553,12 @@ class OpenAIServing:
                            echoes: list[str] | None, include_usage: str | None,
                            score_only: bool) -> AsyncIterator[str]:
         tokens_sent = [0] * group.size
-        # the offset of each choice's next token: its echo, then every token's text (as the
-        # answer without streaming counts them, not the text sent, which a stop string holds back)
-        offsets = [0] * group.size
+        # each choice's place in its text: its echo, then every token's characters (as the answer
+        # without streaming counts them, not the text sent, which a stop string holds back)
+        cursors = [TextCursor() for _ in range(group.size)]
         echo_pending = [bool(echoes)] * group.size
         as_ids = body.return_tokens_as_token_ids
+        spelling = self.spelling.skipping(body.skip_special_tokens)
 
         def dump(choices: list[CompletionChoice], usage: UsageInfo | None) -> dict[str, Any]:
             return CompletionStreamResponse(id=rid, created=created, model=self.model, choices=choices,
@@ -566,11 +572,11 @@ class OpenAIServing:
             new_ids = [] if score_only else c.token_ids[tokens_sent[index]:]
             lp = None
             if body.logprobs is not None and (new_ids or (first and body.echo)):
-                new_lps, start = (c.logprobs or [])[tokens_sent[index]:], offsets[index] + len(prefix)
-                lp = completion_logprobs(new_lps, new_ids, body.logprobs, offset=start, as_ids=as_ids)
-                offsets[index] = start + text_length(new_lps, new_ids)
+                cursors[index].offset += len(prefix)
+                lp = completion_logprobs((c.logprobs or [])[tokens_sent[index]:], new_ids, body.logprobs, spelling,
+                                         cursors[index], as_ids)
                 if first and body.echo:
-                    lp = _with_prompt_logprobs(out, body.logprobs, lp, prefix, self.ae.tokenizer.decode, as_ids)
+                    lp = _with_prompt_logprobs(out, body.logprobs, lp, prefix, spelling, as_ids)
             tokens_sent[index] = len(c.token_ids)
             if not text and lp is None and not out.finished:
                 return None
@@ -625,7 +631,7 @@ class OpenAIServing:
         choices, as_ids = [], body.return_tokens_as_token_ids
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            lp = chat_logprobs(c.logprobs or [], c.token_ids, top_k, as_ids) if top_k is not None else None
+            lp = None if top_k is None else chat_logprobs(c.logprobs or [], c.token_ids, top_k, self.spelling, as_ids)
             content, calls, finish = tools.message(c.text, c.finish_reason)
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish,
@@ -664,7 +670,8 @@ class OpenAIServing:
             new_ids = c.token_ids[start:]
             if top_k is None or not new_ids:
                 return None
-            return chat_logprobs((c.logprobs or [])[start:], new_ids, top_k, body.return_tokens_as_token_ids)
+            return chat_logprobs((c.logprobs or [])[start:], new_ids, top_k, self.spelling,
+                                 body.return_tokens_as_token_ids)
 
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]
