@@ -21,7 +21,7 @@ from conftest import real_model_path
 from loom.errors import TokenizerError
 from loom.loader.chat_template import ChatTemplate
 from loom.loader.gguf import GGUFFile
-from loom.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from loom.loader.tokenizer import IncrementalDetokenizer, Tokenizer, byte_to_unicode
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -342,6 +342,19 @@ def test_stream_releases_invalid_bytes(smollm: Tokenizer) -> None:
     deltas = [det.add([i]) for i in ids] + [det.flush()]
     assert "".join(deltas) == smollm.decode(ids)
     assert any(deltas[: IncrementalDetokenizer.MAX_HELD + 1])
+
+
+@pytest.mark.parametrize("leading", [15, 16, 17, 40])
+def test_released_invalid_bytes_keep_a_characters_start(smollm: Tokenizer, gemma: Tokenizer, leading: int) -> None:
+    """Lead bytes that never complete a character, then one that does: the release after
+    MAX_HELD ids keeps the last start held, so the emoji is not lost."""
+    for tok in (smollm, gemma):
+        byte = ({b: tok.token_to_id(ch) for b, ch in byte_to_unicode().items()} if tok.vocab_kind == "byte_level"
+                else {b: tok.token_to_id(f"<0x{b:02X}>") for b in range(256)})
+        ids = [byte[0xF0]] * leading + [byte[0x9F], byte[0x98], byte[0x80]] + tok.encode(" ok", add_special_tokens=False)
+        det = IncrementalDetokenizer(tok)
+        deltas = [det.add([i]) for i in ids] + [det.flush()]
+        assert "".join(deltas) == tok.decode(ids) and "😀" in tok.decode(ids)
 
 
 # -- (c) chat templates ------------------------------------------------------------------------

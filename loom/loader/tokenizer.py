@@ -30,6 +30,7 @@ UTF-8 character.
 
 from __future__ import annotations
 
+import codecs
 import gc
 import hashlib
 from contextlib import contextmanager
@@ -718,6 +719,19 @@ class IncrementalDetokenizer:
     def _decode(self, end: int) -> str:
         return self.tokenizer.decode(self._ids[self._prefix:end], self.skip_special_tokens)
 
+    def _stable_end(self, end: int) -> int:
+        """Where held ids released as invalid bytes are cut: before the ids of a character's
+        start that a later id may still complete (at most 3 bytes at the end), so that the text
+        released stays the text of the whole sequence."""
+        data = [self.tokenizer.token_bytes(i) for i in self._ids[self._read:end]]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(data), final=False)
+        open_bytes, cut = len(decoder.getstate()[0]), end
+        while open_bytes > 0 and cut > self._read:
+            cut -= 1
+            open_bytes -= len(data[cut - self._read])
+        return cut
+
     def _advance(self, final: bool) -> str:
         end = len(self._ids)
         if self._read == end:
@@ -734,6 +748,10 @@ class IncrementalDetokenizer:
                 self._checked = end
                 if end - self._read < self.MAX_HELD:
                     return ""
+                end = self._stable_end(end)
+                if end == self._read:
+                    return ""
+                window = self._decode(end)
         delta = window[len(self._decode(self._read)):]
         self._prefix, self._read = self._read, end
         self._checked = end
