@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from conftest import MODEL_DTYPES
+from conftest import MODEL_DTYPES, run_to_end
 
 from loom.config import EngineConfig
 from loom.contracts import DraftTree
@@ -998,9 +998,13 @@ def test_a_prediction_drafts_without_changing_the_greedy_output(tiny_parts):
             engine.kv.check_integrity()
 
 
-def test_a_prediction_is_refused_without_speculation_or_with_what_is_not_drafted(tiny_parts):
-    with pytest.raises(InvalidRequestError, match="needs speculative decoding"):
-        tiny_engine(tiny_parts).add_request("hello", SamplingParams(prediction="hello world"))
+def test_a_prediction_is_a_hint_without_speculation_and_refused_with_what_is_not_drafted(tiny_parts, caplog):
+    engine = tiny_engine(tiny_parts)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="loom"):
+        hinted = run_to_end(engine, ["hello", "hello"], [greedy.clone(prediction="hello world"), greedy])
+    assert hinted[0].outputs[0].token_ids == hinted[1].outputs[0].token_ids   # the output is the same
+    assert sum("prediction is ignored" in r.message for r in caplog.records) == 1
     for bad, field in (({"logprobs": 2}, "logprobs"), ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence"),
                        ({"logit_bias": {3: 1.0}}, "logit_bias")):
         with pytest.raises(InvalidRequestError, match=f"prediction cannot be combined with {field}"):
@@ -1023,10 +1027,11 @@ def test_prediction_on_the_server_reports_its_accepted_and_rejected_tokens(tiny_
 
     body = {"prompt": "the cat sat on the mat", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     with TestClient(build_app(InProcessEngineClient(AsyncEngine(tiny_engine(tiny_parts))), served_model_name="tiny")) as http:
-        r = http.post("/v1/completions", json=body | {"prediction": {"type": "content", "content": "x"}})
-        assert r.status_code == 400 and "needs speculative decoding" in r.text
         plain = http.post("/v1/completions", json=body).json()
         assert "completion_tokens_details" not in plain["usage"]
+        hinted = http.post("/v1/completions", json=body | {"prediction": {"type": "content", "content": "x"}})
+        assert hinted.status_code == 200 and hinted.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert hinted.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
     spec = tiny_engine(tiny_parts, {"method": "auto", "adaptive": False})
     with TestClient(build_app(InProcessEngineClient(AsyncEngine(spec)), served_model_name="tiny")) as http:
         text = plain["choices"][0]["text"]

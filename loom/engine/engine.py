@@ -90,6 +90,7 @@ class Engine:
         self.max_model_len = self._context_limit(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.spec = self._speculative_decoder(num_blocks)
+        self._prediction_unused_said = False   # the log said once that predictions go unused here
         if config.cache.kv_eviction is not None:
             if self.spec is not None:
                 raise InvalidRequestError("kv_eviction cannot be combined with speculative decoding "
@@ -207,11 +208,14 @@ class Engine:
         return held
 
     def _with_prediction(self, params: SamplingParams) -> SamplingParams:
-        """`params` with its prediction tokenized; a prediction needs speculative decoding on."""
+        """`params` with its prediction tokenized. A prediction is a hint for speed (the output is the
+        same without it): without speculative decoding it is dropped, once said in the log."""
         if self.spec is None:
-            raise InvalidRequestError("prediction speeds decoding up by drafting from it, which needs speculative "
-                                      "decoding: start loom with a speculative_config (e.g. --speculative-config "
-                                      "'{\"method\": \"auto\"}')")
+            if not self._prediction_unused_said:
+                self._prediction_unused_said = True
+                log.warning("a request's prediction is ignored: it speeds decoding up by drafting from it, which "
+                            "needs speculative decoding (--speculative-config '{\"method\": \"auto\"}')")
+            return params.clone(prediction=None, prediction_token_ids=None)
         ids = params.prediction_token_ids
         if ids is None:
             ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
