@@ -30,6 +30,11 @@ class InvalidRequestError(LoomError, ValueError):
     """A request's prompt or sampling parameters are invalid."""
 
 
+class ContextLengthError(InvalidRequestError):
+    """A prompt that leaves no room to generate within the context (OpenAI's
+    context_length_exceeded)."""
+
+
 class QueueFullError(InvalidRequestError):
     """The bounded waiting queue is full; retry later."""
 

@@ -477,11 +477,13 @@ BAD_REQUESTS = [
     ("unknown-model", COMPLETIONS, b'{"prompt": "hi", "model": "gpt-9"}', 404, "model", "does not exist"),
     ("empty-messages", CHAT, b'{"messages": []}', 400, "messages", "at least 1"),
     ("bad-role", CHAT, b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role", "user"),
-    ("image-part", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
-     "messages.0.content.0.type", "'text'"),
+    ("image-part", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+     400, "messages.0.content.0", "text only"),
     ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "x\\ud800y"}]}', 400, "messages",
      "lone surrogate"),
     ("lone-surrogate-tokenize", "/tokenize", b'{"prompt": "x\\ud800y"}', 400, "prompt", "lone surrogate"),
+    ("audio-modality", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}',
+     400, "modalities.1", "'text'"),
     ("top-logprobs-alone", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
      "top_logprobs", "logprobs"),
 ]
@@ -508,9 +510,26 @@ def test_oversized_body_is_413(tiny: LoomServer) -> None:
     assert response.json()["error"]["code"] == "request_too_large"
 
 
+def test_answers_carry_a_request_id(tiny: LoomServer) -> None:
+    raw = client(tiny).completions.with_raw_response.create(model="tiny-llama", prompt="hi", max_tokens=2)
+    assert raw.headers["x-request-id"].startswith("req_") and raw.request_id == raw.headers["x-request-id"]
+    mine = httpx.get(f"{tiny.url}/v1/nope", headers={"X-Request-Id": "abc-123"})
+    assert mine.status_code == 404 and mine.headers["x-request-id"] == "abc-123"
+    with httpx.stream("POST", f"{tiny.url}{COMPLETIONS}", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                      timeout=30) as r:
+        assert r.headers["x-request-id"].startswith("req_")
+
+
 def test_unknown_route_and_client_errors(tiny: LoomServer) -> None:
     response = httpx.get(f"{tiny.url}/v1/nope")
-    assert response.status_code == 404 and "error" in response.json()
+    assert response.status_code == 404 and response.json()["error"]["message"].startswith("Invalid URL (GET /v1/nope)")
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(POST /v1/embeddings\)"):
+        client(tiny).embeddings.create(model="tiny-llama", input="hi")
+    for path, body in ((COMPLETIONS, {"prompt": "hello " * 1200}), ("/v1/responses", {"input": "hello " * 1200})):
+        error = httpx.post(f"{tiny.url}{path}", json=body, timeout=30).json()["error"]
+        assert error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
+        assert error["param"] == ("prompt" if path == COMPLETIONS else "input")
     with pytest.raises(openai.NotFoundError) as e:
         client(tiny).completions.create(model="gpt-9", prompt="hi")
     assert e.value.code == "model_not_found"

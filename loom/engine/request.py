@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom.contracts import DraftTree
-from loom.errors import InvalidRequestError
+from loom.errors import ContextLengthError, InvalidRequestError
 from loom.kv.eviction import EvictionPolicy, KVRuns
 from loom.outputs import RequestMetrics, SampleLogprobs
 from loom.sampling_params import SamplingParams
@@ -25,8 +25,9 @@ def check_token_ids(ids: list[int], vocab_size: int, max_model_len: int | None, 
     if max(ids) >= vocab_size or min(ids) < 0:
         raise InvalidRequestError(f"{what} token ids must be in [0, {vocab_size})")
     if max_model_len is not None and len(ids) >= max_model_len:
-        raise InvalidRequestError(f"{what} is {len(ids)} tokens, the context limit is {max_model_len} "
-                                  f"(at least one token must be left to generate)")
+        raise ContextLengthError(f"{what} is {len(ids)} tokens, the context limit is {max_model_len} "
+                                 f"(this model's maximum context length here; at least one token must be left "
+                                 f"to generate)")
 
 
 def bad_words_token_ids(words, tokenizer) -> list[tuple[int, ...]]:

@@ -22,7 +22,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loom.errors import EngineDeadError, EngineGoneError, EngineRestartingError, LoomError, QueueFullError
+from loom.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    EngineGoneError,
+    EngineRestartingError,
+    LoomError,
+    QueueFullError,
+)
 from loom.server.protocol import IGNORED_FIELDS, ErrorInfo, ErrorResponse
 
 # Seconds a client told "queue full" should wait before retrying.
@@ -86,9 +93,11 @@ def api_error_from_loom(e: LoomError, path: str = "") -> ApiError:
         return ApiError(503, message, type=SERVER_ERROR, code="engine_unavailable", headers=retry_headers(e))
     match = _LEADING_FIELD.match(message)
     param = match.group(1).replace(" ", ".") if match else None
-    if param == "prompt" and path.endswith("/chat/completions"):
-        param = "messages"
-    return ApiError(400, message, param=param)
+    if param == "prompt" and path.endswith(("/chat/completions", "/responses")):
+        param = "messages" if path.endswith("/chat/completions") else "input"
+    if isinstance(e, ContextLengthError):
+        return ApiError(400, message, param=param, code="context_length_exceeded")
+    return ApiError(400, message, param=param, code="invalid_value" if param else None)
 
 
 def retry_headers(e: EngineDeadError) -> dict[str, str] | None:
@@ -162,10 +171,13 @@ def install_error_handlers(app: FastAPI) -> None:
                               headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = e.detail if isinstance(e.detail, str) else str(e.detail)
         if e.status_code == 404 and message == "Not Found":
-            message = "no such endpoint"
+            message = (f"Invalid URL ({request.method} {request.url.path}): this server has no such endpoint "
+                       "(it serves /v1/completions, /v1/chat/completions, /v1/responses, /v1/models and "
+                       "vLLM's /tokenize, /detokenize; see /docs)")
+            return error_response(404, message, type=INVALID_REQUEST, code="unknown_url")
         elif e.status_code == 400 and message == _FASTAPI_BODY_PARSE_ERROR:
             message = "malformed JSON body: it is not valid UTF-8 JSON text"
         return error_response(e.status_code, message, headers=dict(e.headers or {}) or None)

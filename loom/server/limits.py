@@ -1,5 +1,6 @@
 """The server's HTTP edge: `BodySizeLimit`, ASGI middleware that refuses request bodies larger
-than a limit with a 413, and `Cors`, which lets browser pages on other origins call the API.
+than a limit with a 413, `RequestIds`, which names every answer with an ``x-request-id``, and
+`Cors`, which lets browser pages on other origins call the API.
 
 A declared ``Content-Length`` above the limit is refused before anything is read. Otherwise
 the body is read up to the limit: if it goes over, the request is refused; if not, the
@@ -9,6 +10,7 @@ notification) go to the server as usual.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from starlette.middleware.cors import CORSMiddleware
@@ -32,6 +34,28 @@ class Cors:
         if self.origins:
             app.add_middleware(CORSMiddleware, allow_origins=list(self.origins), allow_credentials=self.credentials,
                                allow_methods=["*"], allow_headers=["*"])
+
+
+class RequestIds:
+    """Every answer carries an ``x-request-id`` header, as OpenAI's do (its client shows it as
+    `_request_id`, for logs): the client's own X-Request-Id where it sent one, else a new id."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        rid = given[:128] if given else f"req_{uuid.uuid4().hex}".encode()
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 class BodySizeLimit:

@@ -52,7 +52,7 @@ from loom.server.errors import (
     install_error_handlers,
     retry_headers,
 )
-from loom.server.limits import BodySizeLimit, Cors
+from loom.server.limits import BodySizeLimit, Cors, RequestIds
 from loom.server.logprobs import Spelling, TextCursor, chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
@@ -873,6 +873,7 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestIds)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:

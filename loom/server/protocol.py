@@ -373,6 +373,15 @@ class TextContentPart(_Request):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content part type {kind!r} is not supported: this server's model takes text only "
+                             "(type 'text')")
+        return data
+
 
 class FunctionCallIn(_Request):
     name: NonEmptyStr
@@ -442,6 +451,8 @@ class ChatCompletionRequest(SamplingFields):
         None, description="Default: auto with tools. required / a named function force a call (by a grammar).")
     parallel_tool_calls: bool | None = Field(None, description="Default true (with a named tool_choice: false): a "
                                                             "turn may make several calls.")
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1)] | None = Field(
+        None, description="Output modalities: text only (this server's models answer in text).")
 
 
 class TopLogprob(_Response):
