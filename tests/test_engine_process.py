@@ -160,7 +160,8 @@ def test_killed_engine_fails_streams_and_answers_503(long_model, tmp_path) -> No
         assert "engine" in health.json()["error"]["message"]
         late = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=10)
         assert late.status_code == 503 and "retry-after" not in late.headers
-        assert late.json()["error"]["code"] == "engine_unavailable"
+        assert late.json()["error"]["code"] == "engine_unavailable" and errors[0]["code"] == "engine_unavailable"
+        assert _metric(server, "vllm:num_requests_running") == 0.0   # nothing runs on a dead engine
         assert server.process.poll() is None  # the front end stays up and says so
     finally:
         server.stop()
@@ -194,6 +195,25 @@ def test_a_killed_engine_is_restarted_within_its_budget(long_model, tmp_path) ->
                           what="503 from /health")
         assert "not restarted" in health.json()["error"]["message"]
         assert not engine_children(server) and server.process.poll() is None
+    finally:
+        server.stop()
+
+
+def test_a_killed_fork_server_leaves_no_engine_running_unseen(long_model, tmp_path) -> None:
+    """The engine process's sentinel is the fork server's pipe: killing the fork server reads as
+    the engine's exit. The engine, still running, is stopped before its successor starts."""
+    server = start("forkserver", long_model, tmp_path, "--engine-restarts", "1")
+    try:
+        [engine] = engine_children(server)
+        engine.parent().kill()
+        wait_for(lambda: not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE,
+                 what="the orphaned engine process to be stopped")
+        # (a new fork server starts first, importing the engine's modules: seconds on a busy machine)
+        wait_for(lambda: httpx.get(f"{server.url}/health", timeout=10).status_code == 200, timeout=120,
+                 what="a new engine")
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         server.stop()
 
@@ -289,6 +309,22 @@ def test_a_single_server_on_a_port_in_use_fails_before_the_model_loads(tiny_llam
         port = taken.getsockname()[1]
         result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), "--port", str(port)])
     assert result.exit_code == 1 and loaded == []
+    assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", result.stderr
+
+
+def test_a_second_server_on_the_port_of_one_still_loading_fails_at_once(tiny_llama_path, monkeypatch):
+    """The first server's socket listens while its model loads: a second one on that port (which
+    SO_REUSEADDR let bind a socket that was only bound) fails instead of running unheard."""
+    from typer.testing import CliRunner
+
+    import loom.server.serve
+    from loom.cli import app
+
+    monkeypatch.setattr(loom.server.serve, "engine_client", lambda *a, **k: None)
+    with loom.server.serve.listen("127.0.0.1", 0) as first:
+        port = first.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), "--port", str(port)])
+    assert result.exit_code == 1
     assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", result.stderr
 
 

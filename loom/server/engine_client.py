@@ -34,12 +34,14 @@ supervisor restarting the server brings it back).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -164,6 +166,7 @@ class ProcessEngineClient:
         self._closing = False               # the server was told to stop (the signal may reach the engine too)
         self._loading = False               # an engine process is loading the model (no messages read yet)
         self.error: BaseException | None = None
+        self._pidfd: int | None = None      # names the engine process for good (its sentinel is the fork server's)
         started = time.monotonic()
         self._spawn()
         try:  # the tokenizer loads here while the engine process loads the model
@@ -201,6 +204,7 @@ class ProcessEngineClient:
         process.start()   # asks the fork server: not under the lock, which shutdown() takes
         with self._lock:
             self.process = process
+            self._pidfd = _pidfd(process.pid)
             stopping = self._stopping
         if stopping:   # shutdown() came while it started and stopped the one before: this one too
             process.kill()
@@ -221,7 +225,10 @@ class ProcessEngineClient:
                 if isinstance(msg, wire.Ready):
                     return msg
                 self._close_sockets()
-                self.process.join(SHUTDOWN_GRACE_S)
+                self.process.join(SHUTDOWN_GRACE_S)   # it exits at once after a Failed
+                if self.process.is_alive():
+                    self.process.kill()
+                    self.process.join()
                 if isinstance(msg, wire.Failed):
                     raise _rebuild_error(msg.kind, msg.message)
                 raise LoomError(f"engine process failed while loading: {msg}")
@@ -266,6 +273,8 @@ class ProcessEngineClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        _kill(self._pidfd)   # (an engine process the fork server's end left running, too)
+        self._pidfd = None
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -378,6 +387,10 @@ class ProcessEngineClient:
         self._loop.remove_reader(self.process.sentinel)
         if self._stopping:
             return
+        # the sentinel is the fork server's pipe: it also closes when the fork server dies, the
+        # engine process still running, reparented. That one is stopped before it is replaced.
+        _kill(self._pidfd)
+        self._pidfd = None
         self.process.join(0.1)
         code = self.process.exitcode
         if self._closing:
@@ -396,11 +409,11 @@ class ProcessEngineClient:
                  f"minutes (loom serve --engine-restarts)" if self._max_restarts else
                  "restarts are off (loom serve --engine-restarts 0)")))
             return
-        self._fail(self.error if self.error is not None else EngineDeadError(base))
+        retry_after = max(1, math.ceil(self._load_seconds))   # a new process is about to load
+        self._fail(self.error if self.error is not None else EngineRestartingError(base, retry_after=retry_after))
         self._restart_times.append(now)
         self.error = EngineRestartingError(
-            f"the engine process exited (status {code}); a new one is loading the model",
-            retry_after=max(1, math.ceil(self._load_seconds)))
+            f"the engine process exited (status {code}); a new one is loading the model", retry_after=retry_after)
         self._restarting = self._loop.create_task(self._restart(), name="loom-engine-restart")
 
     async def _restart(self) -> None:
@@ -431,9 +444,31 @@ class ProcessEngineClient:
         return self._wait_ready()
 
     def _fail(self, error: BaseException) -> None:
+        """Every request's stream ends with `error`; the load gauges read zero (nothing runs)."""
         self.error = error
         for queue in self._queues.values():
             queue.put_nowait(error)
+        self._stats = dataclasses.replace(self._stats, num_running=0, num_waiting=0, kv_usage=0.0)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that names process `pid` for good (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _kill(pidfd: int | None) -> None:
+    """SIGKILL to the process `pidfd` names, if it still runs; the descriptor is closed."""
+    if pidfd is None:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (AttributeError, ProcessLookupError, OSError):
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -155,16 +155,23 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     encoder = wire.output_encoder()
     try:
         engine = Engine(config)
-    except LoomError as e:
+    except LoomError as e:   # both sockets closed before the context ends (an open one holds term() forever)
         outputs.send(encoder.encode(wire.Failed(type(e).__name__, str(e))))
-        outputs.close()
-        ctx.term()
+        _close(ctx, inputs, outputs)
         sys.exit(1)
+    except BaseException:
+        _close(ctx, inputs, outputs)
+        raise
     outputs.send(encoder.encode(wire.Ready(str(engine.model_name), int(engine.max_model_len),
                                            int(engine.model.cfg.vocab_size), read_engine_sample(engine))))
     try:
         EngineCore(engine, inputs, outputs).run()
     finally:
-        inputs.close(linger=0)
-        outputs.close()
-        ctx.term()
+        _close(ctx, inputs, outputs)
+
+
+def _close(ctx: zmq.Context, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    """Inputs dropped, outputs sent (within their linger), then the context ended."""
+    inputs.close(linger=0)
+    outputs.close()
+    ctx.term()

@@ -698,14 +698,15 @@ class OpenAIServing:
 
     @staticmethod
     def _stream_error(e: Exception) -> str:
+        code = None
         if isinstance(e, EngineDeadError):
-            kind, message = "server_error", str(e)
+            kind, message, code = "server_error", str(e), "engine_unavailable"
         elif isinstance(e, LoomError):
             kind, message = INVALID_REQUEST, str(e)
         else:
             log.error("stream failed: %r", e)
             kind, message = "server_error", "internal server error"
-        return event({"error": {"message": message, "type": kind, "param": None, "code": None}})
+        return event({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     # -- models and stats ------------------------------------------------------------------------
     # -- tokenizer endpoints (vLLM's; lm-eval's remote tokenizer uses them) ------------------------

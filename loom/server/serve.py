@@ -62,7 +62,10 @@ def run_server(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (as uvicorn binds it); LoomError when it cannot be."""
+    """A socket bound to host:port and listening (as uvicorn binds it); LoomError when it cannot
+    be. It listens at once: with SO_REUSEADDR a second server could bind the same port while
+    the first loads its model (bound, not yet listening), and then fail to listen silently.
+    Connections made during the load wait in the backlog until the server answers."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -72,6 +75,7 @@ def listen(host: str, port: int) -> socket.socket:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+            sock.listen(2048)
         except OSError:
             sock.close()
             raise
