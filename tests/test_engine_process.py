@@ -350,6 +350,40 @@ def test_a_non_streamed_answer_under_way_at_a_stop_is_a_503(long_model, tmp_path
         server.stop()
 
 
+def test_requests_queued_at_a_stop_get_a_503_at_once(long_model, tmp_path) -> None:
+    """One request runs, two wait in the engine's queue (one streamed): at SIGTERM the running
+    stream ends with the error event, and both queued ones get a JSON 503 (they had hung until
+    the graceful shutdown's time ran out, then got a plain-text 500 or a stream cut short)."""
+    import concurrent.futures
+
+    server = start("stop-queued", long_model, tmp_path, "--max-num-seqs", "1")
+    body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True}
+
+    def streamed() -> tuple[int, list[str]]:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")] \
+                if r.status_code == 200 else [r.read().decode()]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            running = pool.submit(streamed)
+            wait_for(lambda: _running(server) >= 1, what="the first request running")
+            queued = [pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=60),
+                      pool.submit(streamed)]
+            wait_for(lambda: httpx.get(f"{server.url}/v1/loom/stats", timeout=10).json()["num_requests_waiting"] >= 2,
+                     what="two requests queued")
+            server.process.send_signal(signal.SIGTERM)
+            plain, (status, events) = queued[0].result(timeout=30), queued[1].result(timeout=30)
+            first_status, first_events = running.result(timeout=30)
+        assert plain.status_code == 503 and "shutting down" in plain.json()["error"]["message"], plain.text
+        assert status == 503 and "shutting down" in json.loads(events[0])["error"]["message"], events
+        assert first_status == 200 and first_events[-1] == "data: [DONE]" and "shutting down" in first_events[-2]
+        assert server.process.wait(timeout=30) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+        assert not server.logged_tracebacks()
+    finally:
+        server.stop()
+
+
 def test_sigterm_to_the_whole_process_group_is_a_quiet_stop(long_model, tmp_path) -> None:
     """systemd's default stop (and `kill -- -PGID`) signals every process of the server at once:
     the engine process ending with it is the expected exit, not a failure logged as an error."""

@@ -189,8 +189,12 @@ class ChoiceGroup:
         return [[self._finals[p.index * self._n + i] for i in range(self._n)] for p in self._prompts]
 
     def stop(self) -> None:
-        """Ends the group because the server stops: whoever iterates it gets `ServerStopping`."""
+        """Ends the group because the server stops: whoever iterates it gets `ServerStopping`,
+        and whoever waits for a prompt still queued in the engine (`admitted`) too."""
         self._queue.put_nowait(_STOPPING)
+        for p in self._prompts:
+            if p.admitted is not None and not p.admitted.done():
+                p.admitted.set_result(ServerStopping("the server is shutting down; the request was stopped"))
         self.close()
 
     def close(self) -> None:

@@ -354,7 +354,8 @@ class OpenAIServing:
         self.spelling = Spelling(ae.tokenizer)   # tokens' names and bytes in logprobs
         self.created = int(time.time())
         self.open_streams: set[ChoiceGroup] = set()   # ended by stop_streams when the server stops
-        self.open_answers: set[ChoiceGroup] = set()   # non-streamed: a 503 then, not a cancelled task's 500
+        self.open_answers: set[ChoiceGroup] = set()   # non-streamed or not yet admitted: a 503 then, not a 500
+        self.stopping = False                         # the server is stopping: stop_streams ran
 
     # -- request checks -------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -395,6 +396,8 @@ class OpenAIServing:
     async def collect(self, group: ChoiceGroup, request: Request) -> list[RequestOutput]:
         group.watch(request)
         self.open_answers.add(group)
+        if self.stopping:
+            group.stop()
         try:
             await group.admitted()
             return await group.final_outputs()
@@ -403,14 +406,23 @@ class OpenAIServing:
             group.close()
 
     async def open_stream(self, group: ChoiceGroup, request: Request, events: AsyncIterator[str]) -> Response:
+        """The stream's response once every prompt is admitted; until then (queued in the engine)
+        a stop of the server answers it with a 503, as an answer without streaming."""
         group.watch(request)
+        self.open_answers.add(group)
+        if self.stopping:
+            group.stop()
         try:
             await group.admitted()
         except BaseException:
             group.close()
             await events.aclose()
             raise
+        finally:
+            self.open_answers.discard(group)
         self.open_streams.add(group)
+        if self.stopping:   # admitted as the stop came: its stream opens with the error event
+            group.stop()
 
         def closed() -> None:
             self.open_streams.discard(group)
@@ -421,7 +433,9 @@ class OpenAIServing:
     def stop_streams(self) -> None:
         """The server is stopping: every open stream ends now with an error event and [DONE], and
         every non-streamed answer under way is a 503 saying so, rather than holding the graceful
-        shutdown until it is cancelled (a plain-text 500)."""
+        shutdown until it is cancelled (a plain-text 500). Requests still queued in the engine get
+        the 503 too, and so does any that comes later."""
+        self.stopping = True
         for group in [*self.open_streams, *self.open_answers]:
             group.stop()
 
