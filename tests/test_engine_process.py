@@ -443,3 +443,30 @@ def test_a_killed_front_end_leaves_no_process_behind(long_model, tmp_path) -> No
         assert not alive, f"left behind: {[(p.pid, p.cmdline()[-1][:60]) for p in alive]}"
     finally:
         server.stop()
+
+
+def test_long_texts_are_tokenized_off_the_event_loop(tiny_llama_path) -> None:
+    """A megabyte prompt takes seconds to tokenize: past LONG_TEXT_CHARS the front end encodes
+    it on a worker thread (through the backend's batch call, which lets go of the GIL), so the
+    event loop keeps serving every other stream meanwhile. Same ids either way."""
+    import asyncio
+    import threading
+
+    from loom.loader.gguf import GGUFFile
+    from loom.loader.tokenizer import LONG_TEXT_CHARS, Tokenizer
+    from loom.server.engine_client import off_loop
+
+    def where(text: str) -> int:
+        return threading.get_ident()
+
+    async def run() -> tuple[int, int, int]:
+        return (threading.get_ident(), await off_loop(10, where, "short"),
+                await off_loop(LONG_TEXT_CHARS + 1, where, "long"))
+
+    loop_thread, short, long = asyncio.run(run())
+    assert short == loop_thread and long != loop_thread
+    tok = Tokenizer.from_gguf(GGUFFile.open(tiny_llama_path))
+    unit, k = "hello world.\n", LONG_TEXT_CHARS // 10
+    text = unit * k
+    assert len(text) > LONG_TEXT_CHARS > len(unit * (k // 2))
+    assert tok.encode(text) == tok.encode(unit * (k // 2)) + tok.encode(unit * (k - k // 2), add_special_tokens=False)

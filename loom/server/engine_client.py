@@ -56,7 +56,7 @@ from loom.config import EngineConfig
 from loom.errors import EngineDeadError, EngineGoneError, EngineRestartingError, LoomError
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
-from loom.loader.tokenizer import Tokenizer
+from loom.loader.tokenizer import LONG_TEXT_CHARS, Tokenizer
 from loom.outputs import RequestOutput, stream_outputs
 from loom.sampling_params import SamplingParams
 from loom.server import wire
@@ -305,7 +305,7 @@ class ProcessEngineClient:
         self._check_alive()
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if isinstance(prompt, str):  # tokenized here, off the engine's core
-            prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+            prompt = {"prompt": prompt, "prompt_token_ids": await off_loop(len(prompt), self.tokenizer.encode, prompt)}
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         try:
@@ -449,6 +449,16 @@ class ProcessEngineClient:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._stats = dataclasses.replace(self._stats, num_running=0, num_waiting=0, kv_usage=0.0)
+
+
+async def off_loop(size: int, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, on a worker thread where its text is long (`size` characters past
+    LONG_TEXT_CHARS, which the tokenizer encodes without holding the GIL): a megabyte prompt
+    takes seconds to tokenize, and meanwhile the event loop serves every other stream and
+    /health. Short texts run here (a thread costs more than they do)."""
+    if size > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _pidfd(pid: int) -> int | None:

@@ -9,11 +9,14 @@ never imports the engine and torch.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from loom.config import EngineConfig
 from loom.engine.async_engine import AsyncEngine
+from loom.loader.tokenizer import LONG_TEXT_CHARS
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
+from loom.server.engine_client import off_loop
 from loom.server.metrics import EngineSample, read_engine_sample
 
 
@@ -42,9 +45,13 @@ class InProcessEngineClient:
     def closing(self) -> None:
         """Nothing to expect: the engine thread stops with shutdown()."""
 
-    def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                 priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
-        return self.ae.generate(prompt, params, request_id, priority, fanout=fanout)
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0, fanout=None) -> AsyncIterator[RequestOutput]:
+        if isinstance(prompt, str) and len(prompt) > LONG_TEXT_CHARS:   # tokenized off the event loop
+            prompt = {"prompt": prompt, "prompt_token_ids": await off_loop(len(prompt), self.tokenizer.encode, prompt)}
+        async with aclosing(self.ae.generate(prompt, params, request_id, priority, fanout=fanout)) as outs:
+            async for out in outs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         self.ae.abort(request_id)

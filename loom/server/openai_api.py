@@ -44,7 +44,7 @@ from loom.loader.chat_messages import message_dicts, with_tools
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
-from loom.server.engine_client import EngineClient
+from loom.server.engine_client import EngineClient, off_loop
 from loom.server.errors import (
     INVALID_REQUEST,
     ApiError,
@@ -338,6 +338,11 @@ def _auto_chunk(index: int, out: RequestOutput, stream: AutoStream,
                            logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason if out.finished else None)
 
 
+def _text_size(messages: list[dict[str, Any]]) -> int:
+    """The characters of a conversation's text contents (what tokenizing it mostly costs)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+
+
 def _message_dicts(messages: list[ChatMessage], template: str | None) -> list[dict[str, Any]]:
     return message_dicts([m.model_dump(exclude_none=True) for m in messages], template)
 
@@ -481,7 +486,8 @@ class OpenAIServing:
             params = params.clone(prompt_logprobs=max(wanted))
         echoes = [self._prompt_text(p) for p in prompts] if body.echo else None
         if not body.add_special_tokens:   # text prompts as ids, tokenized here without BOS
-            prompts = [self.ae.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+            prompts = [await off_loop(len(p), self.ae.tokenizer.encode, p, add_special_tokens=False)
+                       if isinstance(p, str) else p
                        for p in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         plan = plan_loom(body.loom, body.stream, body.n)
@@ -629,7 +635,7 @@ class OpenAIServing:
                 raise ApiError(400, "a forced tool call (tool_choice required or named) cannot be combined with "
                                "response_format or structured_outputs", param="tool_choice", code="invalid_value")
             params = params.clone(structured_outputs=StructuredOutputsParams(json=schema, source="tools"))
-        prompt = self._chat_prompt(body, tools)
+        prompt = await self._chat_prompt(body, tools)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         plan = plan_loom(body.loom, body.stream, body.n)
         group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker,
@@ -653,14 +659,15 @@ class OpenAIServing:
         return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
                                       loom=extension)
 
-    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan) -> dict[str, Any]:
+    async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan) -> dict[str, Any]:
         extra = _template_variables(body.chat_template_kwargs)
         messages = _message_dicts(body.messages, self.ae.tokenizer.chat_template)
         if tools.active:   # the template's own tool prompt where it has one, else loom's generic one
             messages = with_tools(messages, tools.tools, self.ae.tokenizer.chat_template, extra)
         try:
-            ids = self.ae.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                                continue_final_message=body.continue_final_message, **extra)
+            ids = await off_loop(_text_size(messages), self.ae.tokenizer.encode_chat, messages,
+                                 add_generation_prompt=body.add_generation_prompt,
+                                 continue_final_message=body.continue_final_message, **extra)
         except TokenizerError as e:
             hint = " (POST /v1/completions takes a plain prompt)" if self.ae.tokenizer.chat_template is None else ""
             param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
@@ -724,22 +731,24 @@ class OpenAIServing:
 
     # -- models and stats ------------------------------------------------------------------------
     # -- tokenizer endpoints (vLLM's; lm-eval's remote tokenizer uses them) ------------------------
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self.check_model(body.model)
         tok = self.ae.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
         if body.prompt is not None:
             try:
-                ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = await off_loop(len(body.prompt), tok.encode, body.prompt,
+                                     add_special_tokens=body.add_special_tokens)
             except TokenizerError as e:
                 raise ApiError(400, str(e), param="prompt", code="invalid_value") from None
         else:
+            messages = _message_dicts(body.messages, tok.chat_template)
             try:
-                ids = tok.encode_chat(_message_dicts(body.messages, tok.chat_template),
-                                      add_generation_prompt=body.add_generation_prompt,
-                                      continue_final_message=body.continue_final_message,
-                                      **_template_variables(body.chat_template_kwargs))
+                ids = await off_loop(_text_size(messages), tok.encode_chat, messages,
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message,
+                                     **_template_variables(body.chat_template_kwargs))
             except TokenizerError as e:
                 raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
         strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
@@ -958,7 +967,7 @@ def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     @router.post("/tokenize", response_model=TokenizeResponse, responses=errors)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of a conversation as the chat template renders it."""
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
