@@ -44,6 +44,22 @@ class _LoomGroup(TyperGroup):
         except KeyboardInterrupt:
             err.print("[red]interrupted[/red]")
             raise typer.Exit(130) from None
+        except RuntimeError as e:   # Ctrl-C inside an import's class creation arrives wrapped in one
+            if not _interrupted(e):
+                raise
+            err.print("[red]interrupted[/red]")
+            raise typer.Exit(130) from None
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of `e`."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 app = typer.Typer(
@@ -635,7 +651,7 @@ def eval_(
 ) -> None:
     """Perplexity of a text file with sliding windows; with --kld, the KL divergence from a reference
     run (as llama-perplexity --kl-divergence does)."""
-    _check_eval_outputs(json_path, plot, kld or base is not None)
+    _check_eval_outputs(json_path, plot, kld or base is not None, save_base)
     if base is not None and save_base is not None and base.resolve() == save_base.resolve():
         raise LoomError(f"--base and --save-base name the same directory ({base}): save this run elsewhere")
     if engine != "loom" and dtype != "auto":
@@ -675,10 +691,19 @@ def eval_(
     for name, value in report.table_rows(summary):
         table.add_row(name, value)
     out.print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps(summary, indent=1))
-    if plot is not None:
-        report.plot_kld(result, plot)
+    _write_output(json_path, "--json", lambda: json_path.write_text(json.dumps(summary, indent=1)))
+    _write_output(plot, "--plot", lambda: report.plot_kld(result, plot))
+
+
+def _write_output(path: Path | None, flag: str, write) -> None:
+    """Writes an output file at the end of a run; a failure the checks before could not see
+    (a full disk, /proc) is one line, the figures already printed."""
+    if path is None:
+        return
+    try:
+        write()
+    except (OSError, ValueError) as e:
+        raise LoomError(f"{flag} {path}: cannot write it: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _evaluate(ev, windows, source, reference, save_base: Path | None, context: int):
@@ -700,13 +725,29 @@ def _evaluate(ev, windows, source, reference, save_base: Path | None, context: i
     return result
 
 
-def _check_eval_outputs(json_path: Path | None, plot: Path | None, has_reference: bool) -> None:
-    """Refuses the output options that would fail only after the whole run."""
+def _check_eval_outputs(json_path: Path | None, plot: Path | None, has_reference: bool,
+                        save_base: Path | None = None) -> None:
+    """Refuses the output options that would fail only after the model loaded or the whole run."""
     if plot is not None and not has_reference:
         raise LoomError("--plot: a KLD histogram needs --kld or --base")
     for path, flag in ((json_path, "--json"), (plot, "--plot")):
         if path is not None:
             _check_writable(path, flag)
+    if plot is not None:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if plot.suffix.lstrip(".").lower() not in kinds:
+            raise LoomError(f"--plot {plot}: an image file is written there; its name must end in one of "
+                            f"{', '.join('.' + k for k in sorted(kinds))}")
+    if save_base is not None:
+        if save_base.exists() and not save_base.is_dir():
+            raise LoomError(f"--save-base {save_base}: is a file; a base run is saved as a directory")
+        parent = save_base.absolute().parent
+        if not parent.is_dir():
+            raise LoomError(f"--save-base {save_base}: no such directory {parent}")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise LoomError(f"--save-base {save_base}: permission denied")
 
 
 def _check_writable(path: Path, flag: str) -> None:

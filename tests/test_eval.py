@@ -144,6 +144,9 @@ def test_cli_eval_errors_are_one_line(tiny_llama_path, tmp_path, content, messag
     (["--json", "{tmp}"], "--json {tmp}: is a directory"),
     (["--kld", "--plot", "{tmp}/missing/kld.png"], "--plot {tmp}/missing/kld.png: no such directory"),
     (["--plot", "{tmp}/kld.png"], "--plot: a KLD histogram needs --kld or --base"),
+    (["--kld", "--plot", "{tmp}/kld.txt"], "--plot {tmp}/kld.txt: an image file is written there"),
+    (["--save-base", "{tmp}/text.txt"], "--save-base {tmp}/text.txt: is a file"),
+    (["--save-base", "{tmp}/text.txt/sub"], "--save-base {tmp}/text.txt/sub: no such directory"),
     (["--context", "600"], "--context 600 is longer than the model's context length of 512 tokens"),
     (["--base", "{tmp}", "--save-base", "{tmp}/../{tmpname}"], "--base and --save-base name the same directory"),
     (["--engine", "llama.cpp", "--dtype", "float32"], "--dtype is loom's"),
@@ -165,6 +168,17 @@ def test_cli_eval_refuses_bad_outputs_and_context_before_the_model_loads(tiny_ll
     assert opened == [] and sorted(p.name for p in tmp_path.iterdir()) == ["text.txt"]
 
 
+def test_cli_eval_output_that_fails_at_the_end_is_one_line(tiny_llama_path, tmp_path):
+    """A JSON file the checks before the run cannot see fail (a full device) is one line after
+    the figures, not a traceback."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32",
+                                 "--json", "/dev/full"])
+    assert r.exit_code == 1 and "perplexity" in r.output.lower(), r.output
+    assert r.output.strip().splitlines()[-1].startswith("error: --json /dev/full: cannot write it: "), r.output
+
+
 def test_an_interrupted_save_leaves_the_base_in_its_directory(exact_source, windows, tmp_path):
     base = tmp_path / "base"
     writer = BaseWriter(base, windows, exact_source.vocab_size, exact_source.label)
@@ -184,11 +198,18 @@ def test_cli_eval_ctrl_c_is_one_line_and_status_130(tiny_llama_path, tmp_path, m
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loom.eval, "evaluate", interrupted)
+    def wrapped(*args, **kwargs):   # as Python reports Ctrl-C during a class's creation at import
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance 'window' in '_Seq'") from e
+
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32"])
-    assert r.exit_code == 130 and r.output.strip() == "interrupted"
+    for stop in (interrupted, wrapped):
+        monkeypatch.setattr(loom.eval, "evaluate", stop)
+        r = CliRunner().invoke(app, ["eval", str(tiny_llama_path), "--file", str(text), "--context", "32"])
+        assert r.exit_code == 130 and r.output.strip() == "interrupted"
 
 
 # -- lm-eval against `loom serve` -------------------------------------------------------------------

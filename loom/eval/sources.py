@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 import torch
 
-from loom.config import CacheConfig, LoadConfig
+from loom.config import CacheConfig, LoadConfig, physical_cores
 from loom.engine.engine import kv_cache_format
 from loom.errors import InvalidRequestError, LoomError
 from loom.eviction_params import KVEvictionParams
@@ -103,10 +103,14 @@ class LlamaCppSource:
             raise LoomError("the llama.cpp source needs llama-cpp-python (pip install 'llama-cpp-python==0.3.36')") from None
         kv = LLAMA_CPP_KV_TYPES[kv_cache_dtype or "f16"]
         self.path = resolve_model(model)
-        self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context, n_batch=min(context, 512),
-                                   n_ubatch=min(context, 512), logits_all=True, verbose=False,
-                                   n_threads=threads or os.cpu_count(), n_threads_batch=threads or os.cpu_count(),
-                                   type_k=kv, type_v=kv, flash_attn=kv_cache_dtype is not None)
+        threads = threads or physical_cores()
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context, n_batch=min(context, 512),
+                                       n_ubatch=min(context, 512), logits_all=True, verbose=False,
+                                       n_threads=threads, n_threads_batch=threads,
+                                       type_k=kv, type_v=kv, flash_attn=kv_cache_dtype is not None)
+        except ValueError as e:   # llama.cpp could not load what loom reads
+            raise LoomError(f"llama.cpp cannot load {self.path.name}: {e}") from None
         self.vocab_size = int(self.llm.n_vocab())
         kv_note = f" (KV {kv_cache_dtype}, flash attention)" if kv_cache_dtype else ""
         self.label = f"llama.cpp {getattr(llama_cpp, '__version__', '')}".strip() + kv_note
@@ -204,7 +208,10 @@ class BaseWriter:
     def abort(self) -> None:
         """Removes what this run wrote; a base already in the directory stays as it was."""
         for name in (*self.FILES, "meta.json"):
-            (self.dir / f"{name}.tmp").unlink(missing_ok=True)
+            try:
+                (self.dir / f"{name}.tmp").unlink(missing_ok=True)
+            except OSError:   # no such directory to clean (it could not be made)
+                pass
 
 
 class BaseSource:
