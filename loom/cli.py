@@ -476,9 +476,11 @@ def _chat_template(value: str | None) -> str | None:
     if looks_like_path and not path.is_file():
         raise LoomError(f"--chat-template {value}: no such file (give a template file, or the template itself)")
     source = path.read_text() if looks_like_path else value
+    if not source.strip():   # it would render every conversation as nothing
+        raise LoomError(f"--chat-template {value}: the template is empty")
     from loom.loader.chat_template import ChatTemplate
 
-    ChatTemplate(source, "--chat-template")   # TokenizerError (one line) when it does not compile
+    ChatTemplate(source, given_as="--chat-template")   # TokenizerError (one line) when it does not compile
     return source
 
 

@@ -786,6 +786,9 @@ def test_a_chat_template_given_to_the_server_replaces_the_model_s(tiny_llama_pat
         ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
         assert http.get("/tokenizer_info").json()["chat_template"] == template.read_text()
     assert engine.tokenizer.decode(ids).endswith("user: hi\nassistant:")
-    for bad, message in (("{% for %}", "--chat-template"), (str(tmp_path / "missing.jinja"), "no such file")):
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("\n")
+    for bad, message in (("{% for %}", "error: --chat-template does not parse"),
+                         (str(tmp_path / "missing.jinja"), "no such file"), (str(empty), "the template is empty")):
         result = CliRunner().invoke(app, ["serve", str(tiny_llama_path), "--chat-template", bad])
         assert result.exit_code == 1 and message in result.stderr, result.stderr

@@ -103,17 +103,21 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 class ChatTemplate:
-    """A compiled chat template. `model` names the model in error messages.
+    """A compiled chat template. `model` names the model in error messages; `given_as` names a
+    template given in place of the model's instead (``--chat-template``, a request's).
 
     Compilation happens once, here; a template that does not parse raises `TokenizerError`.
     """
 
-    def __init__(self, source: str, model: str = "model"):
+    def __init__(self, source: str, model: str = "model", given_as: str | None = None):
         self.source = source
         self.model = model
+        self.origin = given_as or f"model {model!r} chat template"
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as e:
+            if given_as is not None:
+                raise TokenizerError(f"{given_as} does not parse: {e}") from None
             raise TokenizerError(f"model {model!r} has a chat template that does not parse: {e}") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -135,9 +139,8 @@ class ChatTemplate:
         try:
             return self._template.render(**context)
         except _TemplateRaised as e:
-            raise TokenizerError(f"model {self.model!r} chat template rejected the messages: {e}") from None
+            raise TokenizerError(f"{self.origin} rejected the messages: {e}") from None
         except jinja2.TemplateError as e:
-            raise TokenizerError(f"model {self.model!r} chat template failed to render: {e}") from None
+            raise TokenizerError(f"{self.origin} failed to render: {e}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            raise TokenizerError(f"model {self.model!r} chat template failed to render: "
-                                 f"{type(e).__name__}: {e}") from None
+            raise TokenizerError(f"{self.origin} failed to render: {type(e).__name__}: {e}") from None

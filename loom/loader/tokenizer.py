@@ -418,7 +418,8 @@ class Tokenizer:
     def set_chat_template(self, source: str) -> None:
         """Replaces the model's chat template (`loom serve --chat-template`); TokenizerError when
         the template does not compile."""
-        template = ChatTemplate(source, self.name)
+        template = ChatTemplate(source, self.name, given_as="the chat template set in place of the model's "
+                                                           "(--chat-template)")
         self.chat_template, self._template, self._template_error = source, template, None
 
     def _chat_template(self, source: str | None) -> ChatTemplate:
@@ -427,7 +428,7 @@ class Tokenizer:
             if source not in self._other_templates:
                 if len(self._other_templates) >= 8:
                     self._other_templates.clear()
-                self._other_templates[source] = ChatTemplate(source, self.name)
+                self._other_templates[source] = ChatTemplate(source, self.name, given_as="the chat_template given")
             return self._other_templates[source]
         if self._template_error is not None:
             raise TokenizerError(self._template_error)
