@@ -103,3 +103,14 @@ def test_a_model_without_a_chat_template_gets_completion_mode(server_pool, brows
     wait.until(lambda d: answer.get_attribute("data-state") != "streaming", message="the answer never finished")
     assert answer.get_attribute("data-state") == "done", answer.text
     assert int(browser.find_element(By.ID, "stat-answer-tokens").text) >= 1
+
+    # the next turn continues the text as typed: its leading spaces are kept, not trimmed away
+    browser.execute_script("window.sent = []; const f = window.fetch; window.fetch = (u, o) => "
+                           "{ if (o && o.body) window.sent.push(JSON.parse(o.body)); return f(u, o); };")
+    browser.find_element(By.ID, "prompt").send_keys("  and then")
+    browser.find_element(By.ID, "send").click()
+    prompt = wait.until(lambda d: d.execute_script("return window.sent.length && window.sent[0].prompt"))
+    assert prompt.startswith("the cat sat on") and prompt.endswith("  and then"), prompt
+    last = wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2 and
+                      d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1])
+    wait.until(lambda d: last.get_attribute("data-state") != "streaming", message="the answer never finished")

@@ -1,8 +1,8 @@
 // loom playground: chat over POST /v1/chat/completions with "stream": true, read as
 // server-sent events from fetch()'s ReadableStream; server load polled from GET /v1/loom/stats.
 // A model without a chat template (GET /tokenizer_info says null: a base model) gets completion
-// mode instead: the system text and the turns so far, joined, are continued over
-// POST /v1/completions.
+// mode instead: the system text and the turns so far, joined as typed (untrimmed: a turn that
+// should start on a new line starts with one), are continued over POST /v1/completions.
 //
 // Rules: one answer streams at a time; the conversation sent is the visible history (answers
 // that failed or were stopped before any text are left out); text from the model is only
@@ -85,8 +85,10 @@
   }
 
   async function send() {
-    const text = $("prompt").value.trim();
-    if (!text || controller) return;
+    // completion mode continues the text as typed: its spaces and newlines are the user's
+    const typed = $("prompt").value;
+    const text = completionMode ? typed : typed.trim();
+    if (!typed.trim() || controller) return;
     $("prompt").value = "";
     addMessage("user", text);
     const turn = { role: "user", content: text };
