@@ -140,8 +140,11 @@ class Scheduler:
             if n <= 0:
                 continue
             if req.eviction is not None:
-                n = _limited(n, req.eviction.chunk_limit(req.kv_len, self.block_size))
-                moves += self._evict(req, n)
+                n = _limited(n, _eviction_limit(req, req.kv_len, self.block_size))
+                evicted = self._evict_or_preempt(req, n, grants, preempted)
+                if evicted is None:
+                    continue   # its selection waits for blocks: a step now would read entries it dropped
+                moves += evicted
             alloc = self._allocate_draft(req, budget) if n == 1 and req.draft is not None else None
             if alloc is None:
                 req.draft = None
@@ -156,12 +159,27 @@ class Scheduler:
             budget = self._admit(budget, grants, copies)
         return self._build_output(grants, copies, preempted, moves)
 
-    def _evict(self, req: Request, n: int) -> list[tuple[int, int]]:
-        """Applies the request's eviction policy before a grant of n tokens; returns slot moves."""
+    def _evict_or_preempt(self, req: Request, n: int, grants: dict[str, int],
+                          preempted: list[str]) -> list[tuple[int, int]] | None:
+        """`_evict`; where a selection cannot be packed for want of free blocks, requests of lower
+        priority not yet granted are preempted for them. None: it still waits (this step skips it)."""
+        while (moves := self._evict(req, n)) is None:
+            victims = [r for r in self.running if r.request_id not in grants and r is not req
+                       and r.sort_key() > req.sort_key()]
+            if not victims:
+                return None
+            victim = max(victims, key=Request.sort_key)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return moves
+
+    def _evict(self, req: Request, n: int) -> list[tuple[int, int]] | None:
+        """Applies the request's eviction policy before a grant of n tokens; returns slot moves,
+        or None where its selection cannot be packed yet (too few free blocks)."""
         if req.kv_keep is not None:
             moves = self.kv.compact(req.request_id, req.kv_keep)
             if moves is None:
-                return []        # too few free blocks to pack into: try again next step
+                return None
             req.kv_runs = kept_runs(req.kv_runs, req.kv_len, req.kv_keep)
             req.num_evicted += req.kv_len - len(req.kv_keep)
             req.kv_keep = None
@@ -222,7 +240,7 @@ class Scheduler:
                 hit = self._evicting_hit(req, hit)
             n = max(0, min(req.compute_end - hit.num_tokens, budget))
             if req.eviction is not None:
-                n = _limited(n, req.eviction.chunk_limit(hit.num_tokens, self.block_size))
+                n = _limited(n, _eviction_limit(req, hit.num_tokens, self.block_size))
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, hit.num_tokens, n, prefix=hit)
             if alloc is None:
                 self.kv.free(req.request_id)  # forget the lookup; retry next step
@@ -246,8 +264,9 @@ class Scheduler:
         the hit frees nothing); SnapKV computes
         its observation window itself (its queries are needed), the rest may come from the cache."""
         pol = req.eviction
-        if pol.observes:
-            limit = req.num_tokens - pol.params.window if req.num_tokens > pol.budget else hit.num_tokens
+        if pol.observes:   # (the prompt's window: a preempted request's output comes after its selection)
+            prompt = req.num_prompt_tokens
+            limit = prompt - pol.params.window if prompt > pol.budget else hit.num_tokens
         else:   # below the budget: the next token is computed before any block is freed, as cold
             limit = pol.budget - 1
         k = min(hit.num_tokens, max(limit, 0)) // self.block_size
@@ -279,15 +298,17 @@ class Scheduler:
 
     def _evicting_seq(self, req: Request, start: int, n: int) -> ScheduledSeq:
         """The step of a request under KV eviction: its new tokens go at KV index kv_len; an
-        observing policy (SnapKV) records the prompt's last `window` queries and selects at its end."""
+        observing policy (SnapKV) records the prompt's last `window` queries and selects at its
+        end. A preempted request computes its prompt again, selects there (`_eviction_limit` ends
+        a chunk at the prompt's end), then its output on the kept entries, as it first ran."""
         end = start + n
         observe_from, select = None, False
-        pol = req.eviction
-        if pol.observes and not req.kv_selected and req.num_tokens > pol.budget:
-            first = req.num_tokens - pol.params.window
+        pol, prompt = req.eviction, req.num_prompt_tokens
+        if pol.observes and not req.kv_selected and prompt > pol.budget:
+            first = prompt - pol.params.window
             if end > first:
-                observe_from, select = first, end == req.num_tokens
-        if end == req.num_tokens:
+                observe_from, select = first, end == prompt
+        if end >= prompt:
             req.kv_selected = True   # a short prompt needs no selection; a long one gets it now
         return ScheduledSeq(req.request_id, req.all_token_ids[start:end], start, self.kv.block_table(req.request_id),
                             end == req.num_tokens, kv_start=req.kv_len, kv_runs=req.kv_runs,
@@ -358,3 +379,12 @@ class Scheduler:
 
 def _limited(n: int, limit: int | None) -> int:
     return n if limit is None else min(n, limit)
+
+
+def _eviction_limit(req: Request, kv_len: int, block_size: int) -> int | None:
+    """The most tokens an evicting request's next chunk may compute: its policy's limit, and for
+    an observing one (SnapKV) not past the prompt's end before the selection made there."""
+    limit = req.eviction.chunk_limit(kv_len, block_size)
+    if req.eviction.observes and not req.kv_selected and kv_len < req.num_prompt_tokens:
+        limit = _limited(req.num_prompt_tokens - kv_len, limit)   # (before the selection kv_len is the position)
+    return limit
