@@ -102,6 +102,23 @@ def test_regex_and_choice_hold_for_greedy_and_sampled_rows_in_one_batch(make_tin
     assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids   # the masks touch only their rows
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_of_a_constrained_request_are_the_models_own(make_tiny, temperature):
+    """As for every other token control (allowed ids, bias, penalties), the logprobs are the
+    model's distribution, not the grammar-masked one renormalised (vLLM's raw logprobs)."""
+    grammar = StructuredOutputsParams(regex=r"[ab]{3}")
+    asked = dict(max_tokens=1, temperature=temperature, seed=5, logprobs=5)
+    [plain, constrained] = run(make_tiny(), ["one", "one"], [SamplingParams(**asked),
+                                                            SamplingParams(**asked, structured_outputs=grammar)])
+    def top(entry) -> dict[int, float]:
+        return {t: lp.logprob for t, lp in entry.items() if lp.rank is not None and lp.rank <= 5}
+
+    got = constrained.outputs[0].logprobs[0]
+    assert top(got) == pytest.approx(top(plain.outputs[0].logprobs[0]), abs=1e-5)
+    [chosen] = constrained.outputs[0].token_ids
+    assert constrained.outputs[0].text in "ab" and got[chosen].logprob > -1000
+
+
 def test_choices_outside_the_basic_plane_come_out_whole(make_tiny):
     choices = ["\U0001F600 happy", "\U0001F622 sad"]
     params = [SamplingParams(max_tokens=16, temperature=t, seed=5, structured_outputs={"choice": choices})

@@ -301,12 +301,13 @@ class ModelRunner:
         return RunnerOutput({rid: [tok] for rid, tok in zip(req_ids, tokens)}, {})
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str], known: torch.Tensor | None = None,
-                rows: list[int] | None = None) -> RunnerOutput:
+                rows: list[int] | None = None, raw: torch.Tensor | None = None) -> RunnerOutput:
         """known [R]: each row's argmax where the output layer already found it, else -1 (valid
         for the logits as computed: a grammar's mask changes them, and then it is not used).
         rows: which rows of `logits` are req_ids' (None: all, in order); they are gathered only
         where the logits are read (a speculative step's plain rows, taken by their known argmax,
-        are not: a gather of 262k-wide rows costs ~0.1 ms each)."""
+        are not: a gather of 262k-wide rows costs ~0.1 ms each). raw: the rows before a grammar
+        masked them, where one asks for logprobs (made here when None)."""
         states = [self.states[r] for r in req_ids]
         greedy = all(st.plain_greedy for st in states)   # the common case: no sampling batch to build
         if known is not None and all(st.argmax_only for st in states):
@@ -315,15 +316,18 @@ class ModelRunner:
                 return self._take_greedy(states, req_ids, tokens)
         if rows is not None:
             logits = logits[rows]
+        if raw is None and any(st.matcher is not None and st.params.logprobs is not None for st in states):
+            raw = logits.clone()   # logprobs are the model's own, as for every other token control
         dead = self._mask_constrained(logits, req_ids, states)
         if dead:
             keep = [i for i, rid in enumerate(req_ids) if rid not in dead]
-            out = self._sample(logits[keep], [req_ids[i] for i in keep]) if keep else RunnerOutput({})
+            out = (self._sample(logits[keep], [req_ids[i] for i in keep], raw=None if raw is None else raw[keep])
+                   if keep else RunnerOutput({}))
             out.dead_ends.update(dict.fromkeys(sorted(dead), GRAMMAR_DEAD_END))
             return out
         if greedy:
             return self._take_greedy(states, req_ids, argmax_rows(logits).tolist())
-        res = self.sampler(logits, self.sampling_batch(req_ids))
+        res = self.sampler(logits, self.sampling_batch(req_ids), raw=raw)
         tokens = res.token_ids.tolist()
         sampled, logprobs, dead = {}, {}, {}
         for i, (rid, st, tok) in enumerate(zip(req_ids, states, tokens)):

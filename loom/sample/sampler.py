@@ -448,17 +448,20 @@ class Sampler:
         self.kernels = kernels if kernels is not None and hasattr(kernels, "sample_rows") else None
         self._raw: torch.Tensor | None = None   # the raw logits of the rows that ask for logprobs
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample one token per row of `logits` [S, V]; float32 logits are modified in place."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, raw: torch.Tensor | None = None) -> SamplerOutput:
+        """Sample one token per row of `logits` [S, V]; float32 logits are modified in place.
+        raw: the same rows before a grammar masked them (the logprobs are of these), if it did."""
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits have shape {tuple(logits.shape)}, expected ({batch.num_rows}, V)")
         if logits.dtype != torch.float32:
             logits = logits.float()
 
-        lp_rows = raw = None
-        if batch.max_num_logprobs is not None:   # the raw logits of the rows that asked: the stages below modify logits
+        lp_rows = None
+        if batch.max_num_logprobs is None:
+            raw = None
+        else:   # the raw logits of the rows that asked: the stages below modify logits
             lp_rows = torch.tensor([k is not None for k in batch.num_logprobs])
-            raw = self._raw_copy(logits, lp_rows.nonzero().squeeze(1))
+            raw = self._raw_copy(logits if raw is None else raw.float(), lp_rows.nonzero().squeeze(1))
 
         if batch.allowed_token_ids is not None:
             apply_allowed(logits, batch.allowed_token_ids)
