@@ -418,6 +418,20 @@ UNIT = {"type": "function", "function": {
                                        "properties": {"unit": {"enum": ["celsius", "fahrenheit", "kelvin"]}}}}}
 
 
+def test_a_forced_call_cut_short_is_the_same_streamed_or_not() -> None:
+    """max_tokens inside a forced call: the answer without streaming holds the calls begun, with
+    their arguments as far as they got, as the stream's deltas join to (finish_reason length)."""
+    plan = ToolPlan([WEATHER, TIME], "required", None, True)
+    text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls, finish = plan.message(text, "length")
+    stream = CallStream()
+    deltas = stream.deltas(text)
+    assert content is None and finish == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("get_weather", "".join(d["function"]["arguments"] for d in deltas))] == [("get_weather", '{"city": "Par')]
+    assert plan.message('{"tool_calls": [{"na', "length") == (None, None, "length")
+
+
 def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny) -> None:
     from fastapi.testclient import TestClient
 
@@ -663,8 +677,8 @@ def test_required_and_named_tool_choice_always_give_calls_that_validate(real: Lo
                                            max_completion_tokens=120, temperature=0)
         c = r.choices[0]
         if parallel and c.finish_reason == "length":   # a 135M model may list calls until max_tokens:
-            assert c.message.content.startswith('{"tool_calls": [{"name": "get_')   # the partial text, no calls
-            assert c.message.tool_calls is None
+            assert c.message.content is None and c.message.tool_calls   # the calls begun, as they streamed
+            assert all(call.function.name in schemas for call in c.message.tool_calls)
             continue
         assert c.finish_reason == "tool_calls" and c.message.content is None
         assert c.message.tool_calls and (parallel or len(c.message.tool_calls) == 1)

@@ -153,7 +153,21 @@ class ToolPlan:
             calls = parse_calls(text, self.tools)
             if calls is not None:
                 return None, calls if self.parallel else calls[:1], "tool_calls"
+        if self.streams_calls and finish == "length":   # cut off mid-call: the calls as they streamed
+            return None, self.partial_calls(text), finish
         return text, None, finish
+
+    def partial_calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls a forced output cut short had begun (their arguments as far as they got),
+        joined from the deltas a stream of it sends; None before a name is complete."""
+        stream, calls = CallStream(None if self.parallel else 1), {}
+        for delta in stream.deltas(text):
+            if "id" in delta:
+                calls[delta["index"]] = {"id": delta["id"], "type": "function",
+                                         "function": {"name": delta["function"]["name"], "arguments": ""}}
+            else:
+                calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+        return list(calls.values()) or None
 
     @property
     def streams_calls(self) -> bool:
