@@ -232,6 +232,20 @@ def test_truncate_prompt_tokens(tiny: LoomServer) -> None:
         assert r.status_code == 200, r.text
         if want is not None:
             assert r.json()["usage"]["prompt_tokens"] == want
+    scored = {"prompt": "one two three four five six seven", "max_tokens": 0, "echo": True, "logprobs": 0,
+              "truncate_prompt_tokens": 3}
+    for stream in (False, True):   # the echo is the text of the tokens kept, which the offsets index
+        if stream:
+            with httpx.stream("POST", f"{tiny.url}/v1/completions", json={**scored, "stream": True}, timeout=30) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+            offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+        else:
+            choice = httpx.post(f"{tiny.url}/v1/completions", json=scored, timeout=30).json()["choices"][0]
+            text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+        assert len(tokens) == 3 and "".join(tokens) == text and "seven".endswith(text), (text, tokens)
+        assert [text[o:o + len(t)] for o, t in zip(offsets, tokens)] == tokens
     r = httpx.post(f"{tiny.url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"], r.text

@@ -263,6 +263,16 @@ def _with_prompt_logprobs(out: RequestOutput, k: int, completion: CompletionLogp
                               text_offset=offsets + completion.text_offset)
 
 
+def _echo(echoes: list[str] | None, prompt: int, out: RequestOutput, body: CompletionRequest) -> str:
+    """The echoed prompt: as sent, or where truncate_prompt_tokens cut it, the text of the
+    tokens kept (which the returned logprobs and usage count)."""
+    if not echoes:
+        return ""
+    if body.truncate_prompt_tokens is not None and isinstance(out.prompt, str):
+        return out.prompt
+    return echoes[prompt]
+
+
 def _prediction(body) -> str | None:
     return None if body.prediction is None else body.prediction.text
 
@@ -508,7 +518,7 @@ class OpenAIServing:
         spelling = self.spelling.skipping(body.skip_special_tokens)
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            echo = echoes[index // per] if echoes else ""
+            echo = _echo(echoes, index // per, out, body)
             text, ids, lps = ("", [], []) if score_only else (c.text, c.token_ids, c.logprobs or [])
             lp = None
             if body.logprobs is not None:
@@ -587,7 +597,7 @@ class OpenAIServing:
         def choice_of(index: int, out: RequestOutput) -> CompletionChoice | None:
             c = out.outputs[0]
             first = echo_pending[index]
-            prefix = echoes[index // body.n] if echoes and first else ""
+            prefix = _echo(echoes, index // body.n, out, body) if first else ""
             text = prefix + ("" if score_only else c.delta_text)
             new_ids = [] if score_only else c.token_ids[tokens_sent[index]:]
             lp = None
