@@ -54,7 +54,7 @@ _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 # ...", "structured_outputs.json does not compile: ...", "prompt is 9000 tokens, ...").
 # An option of an object field may follow it after a space ("kv_eviction budget must be ...").
 _LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?: (?:policy|budget|sinks|window|pool))?) "
-                            r"(?:must |does not |is \d|token ids must |holds |leaves |cannot |is smaller |applies )")
+                            r"(?:must |does not |is \d|is empty|token ids must |holds |leaves |cannot |is smaller |applies )")
 
 
 class ApiError(Exception):

@@ -256,9 +256,11 @@ class SamplingFields(_Request):
 
 # -- completions -------------------------------------------------------------------------------
 
+# A text prompt may be empty, as OpenAI's and llama-server's: a model that starts with BOS then
+# continues from BOS alone (one without: a 400, "prompt is empty").
 PromptInput = Union[
-    NonEmptyStr,
-    Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)],
+    str,
+    Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
     Annotated[list[TokenId], Field(min_length=1)],
     Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
 ]
