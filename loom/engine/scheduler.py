@@ -141,10 +141,7 @@ class Scheduler:
                 continue
             if req.eviction is not None:
                 n = _limited(n, _eviction_limit(req, req.kv_len, self.block_size))
-                evicted = self._evict_or_preempt(req, n, grants, preempted)
-                if evicted is None:
-                    continue   # its selection waits for blocks: a step now would read entries it dropped
-                moves += evicted
+                moves += self._evict(req, n)
             alloc = self._allocate_draft(req, budget) if n == 1 and req.draft is not None else None
             if alloc is None:
                 req.draft = None
@@ -159,27 +156,15 @@ class Scheduler:
             budget = self._admit(budget, grants, copies)
         return self._build_output(grants, copies, preempted, moves)
 
-    def _evict_or_preempt(self, req: Request, n: int, grants: dict[str, int],
-                          preempted: list[str]) -> list[tuple[int, int]] | None:
-        """`_evict`; where a selection cannot be packed for want of free blocks, requests of lower
-        priority not yet granted are preempted for them. None: it still waits (this step skips it)."""
-        while (moves := self._evict(req, n)) is None:
-            victims = [r for r in self.running if r.request_id not in grants and r is not req
-                       and r.sort_key() > req.sort_key()]
-            if not victims:
-                return None
-            victim = max(victims, key=Request.sort_key)
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-        return moves
-
-    def _evict(self, req: Request, n: int) -> list[tuple[int, int]] | None:
-        """Applies the request's eviction policy before a grant of n tokens; returns slot moves,
-        or None where its selection cannot be packed yet (too few free blocks)."""
+    def _evict(self, req: Request, n: int) -> list[tuple[int, int]]:
+        """Applies the request's eviction policy before a grant of n tokens; returns slot moves.
+        A selection that cannot be packed yet (too few free blocks) is tried again next step,
+        the request decoding meanwhile: waiting for blocks, or preempting others for them, could
+        wait forever (a prompt that holds most of the cache) or trade blocks back and forth."""
         if req.kv_keep is not None:
             moves = self.kv.compact(req.request_id, req.kv_keep)
             if moves is None:
-                return None
+                return []
             req.kv_runs = kept_runs(req.kv_runs, req.kv_len, req.kv_keep)
             req.num_evicted += req.kv_len - len(req.kv_keep)
             req.kv_keep = None
