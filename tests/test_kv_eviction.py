@@ -564,3 +564,17 @@ def test_eval_scorer_windows_by_position_as_the_engine_does(tiny_gemma3_w16, mon
     assert rec.evicted_steps > 0 and not torch.equal(_by_position(visible, 16), _last_entries(visible, 16))
     want = _gemma3_reference(model, toks, visible, _by_position(visible, 16)).log_softmax(dim=-1)[:T - 1]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_prefix_cache_counts_each_prompt_once_under_pressure(make_tiny):
+    """A request waiting for blocks looks its prompt up every step, and a preempted one again
+    when readmitted: the counters take each prompt once, at its first admission (they read
+    17,849 queried tokens for two 150-token prompts)."""
+    engine = make_tiny(num_blocks=24, max_num_batched_tokens=16)
+    prompts = [list(range(5, 55)), list(range(100, 150))]
+    for p in prompts:
+        engine.add_request(p, greedy(40))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.stats.num_preemptions >= 1
+    assert (engine.kv.stats.prefix_cache_queries, engine.kv.stats.prefix_cache_hits) == (100, 0)

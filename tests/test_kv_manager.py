@@ -102,6 +102,9 @@ def test_two_requests_sharing_two_and_a_half_blocks_hit_two():
     hit_b = m.find_prefix("b", b)
     # Block 2 holds shared[8:10] followed by a's own tokens: no hit there.
     assert hit_b == PrefixHit([0, 1], 8)
+    assert (m.stats.prefix_cache_queries, m.stats.prefix_cache_hits) == (0, 0)   # a lookup counts when admitted
+    for prompt, hit in ((a, hit_a), (b, hit_b)):
+        m.count_lookup(len(prompt), hit.num_tokens)
     assert (m.stats.prefix_cache_queries, m.stats.prefix_cache_hits) == (26, 8)
     assert m.allocate("b", b, 8, 5, prefix=hit_b) == Allocation([4, 5], [])
     assert m.block_table("b") == [0, 1, 4, 5]
@@ -135,7 +138,6 @@ def test_a_hit_never_covers_the_whole_prompt():
     assert m.find_prefix("c", toks(9)) == PrefixHit([0, 1], 8)
     assert m.find_prefix("d", toks(4)) == PrefixHit([], 0)
     assert m.find_prefix("e", []) == PrefixHit([], 0)
-    assert (m.stats.prefix_cache_queries, m.stats.prefix_cache_hits) == (8 + 9 + 4, 4 + 8)
     for r in "abcde":
         m.free(r)
     assert_all_free(m)
@@ -205,6 +207,7 @@ def test_prefix_caching_disabled():
     m = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
     m.allocate("a", toks(9), 0, 9)
     assert m.find_prefix("b", toks(9)) == PrefixHit([], 0)
+    m.count_lookup(9, 0)
     assert (m.stats.prefix_cache_queries, m.stats.prefix_cache_hits) == (0, 0)
     assert all(m.pool.block_hash(b) is None for b in range(8))
     m.free("a")
@@ -472,6 +475,7 @@ class _Sim:
         rid = self.next_id
         self.next_id += 1
         hit = self.m.find_prefix(rid, tokens, extra_key=extra)
+        self.m.count_lookup(len(tokens), hit.num_tokens)
         assert hit.num_tokens < len(tokens)
         for i, b in enumerate(hit.block_ids):
             assert self.kv[b * BS:(b + 1) * BS] == tokens[i * BS:(i + 1) * BS], "prefix hit served wrong KV"

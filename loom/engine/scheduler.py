@@ -232,9 +232,10 @@ class Scheduler:
                 break
             copies += alloc.copies
             req.num_computed_tokens = hit.num_tokens
-            if req.status is RequestStatus.WAITING:
+            if req.status is RequestStatus.WAITING:   # its first admission (not one after a preemption)
                 req.num_cached_tokens = hit.num_tokens
                 req.metrics.first_scheduled_time = time.monotonic()
+                self.kv.count_lookup(req.num_prompt_tokens, hit.num_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)

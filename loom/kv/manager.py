@@ -122,8 +122,8 @@ class KVCacheManager:
 
         The hit never covers the whole list: at least the last token is left to compute,
         since the model needs its logits. `token_ids` must be committed tokens (no drafts).
-        Counts `stats` when prefix caching is enabled. The hashes are memoised for the
-        request's allocation; `free(req_id)` drops them if the request is never allocated.
+        The hashes are memoised for the request's allocation; `free(req_id)` drops them if the
+        request is never allocated. `count_lookup` counts what an admission took.
         """
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
@@ -138,10 +138,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        hit = PrefixHit(block_ids, len(block_ids) * self.block_size)
-        self.stats.prefix_cache_queries += len(token_ids)
-        self.stats.prefix_cache_hits += hit.num_tokens
-        return hit
+        return PrefixHit(block_ids, len(block_ids) * self.block_size)
+
+    def count_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Counts a prompt's lookup once, when its request is admitted (a request that waits for
+        blocks looks again every step: those lookups are not counted)."""
+        if self.enable_prefix_caching:
+            self.stats.prefix_cache_queries += num_tokens
+            self.stats.prefix_cache_hits += num_hit
 
     # -- mutations -------------------------------------------------------------------
 
