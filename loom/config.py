@@ -76,6 +76,8 @@ class CacheConfig:
                 self.kv_cache_memory, (int, float)) or not self.kv_cache_memory > 0):
             raise _bad("kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
         if self.kv_cache_memory is not None:
+            if int(self.kv_cache_memory) < 1:   # (0.5 would have become 0: the default share)
+                raise _bad("kv_cache_memory", self.kv_cache_memory, "a positive number of bytes")
             object.__setattr__(self, "kv_cache_memory", int(self.kv_cache_memory))
         if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
             raise _bad("num_blocks", self.num_blocks, "a positive integer")

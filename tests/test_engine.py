@@ -519,12 +519,18 @@ def test_tokenizer_chat_template_tokenize_and_hf_helpers(tiny_parts):
 
 
 @pytest.mark.parametrize("option, value", [("seed", "1"), ("seed", 1.5), ("max_model_len", "128"),
-                                           ("max_num_seqs", 2.0), ("num_blocks", "3"), ("enable_prefix_caching", "no")])
+                                           ("max_num_seqs", 2.0), ("num_blocks", "3"), ("enable_prefix_caching", "no"),
+                                           ("kv_cache_memory", 0.5)])
 def test_engine_options_of_the_wrong_type_are_refused_by_name(option, value):
     from loom.config import EngineConfig
 
     with pytest.raises(InvalidRequestError, match=f"^{option} must be"):
         EngineConfig.create("model.gguf", **{option: value})
+
+
+def test_a_kv_cache_memory_that_holds_no_block_is_refused(make_tiny):
+    with pytest.raises(InvalidRequestError, match="kv_cache_memory must hold at least one KV block: 100 bytes"):
+        make_tiny(num_blocks=None, kv_cache_memory=100)
 
 
 def test_llm_generate_refuses_a_bare_list_of_ids(make_tiny):

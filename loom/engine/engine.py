@@ -129,7 +129,11 @@ class Engine:
         per_token = ModelRunner.kv_bytes_per_token(self.model.cfg, self.kv_dtype)
         budget = cache.kv_cache_memory or min(int(psutil.virtual_memory().available * DEFAULT_KV_SHARE),
                                               DEFAULT_KV_CAP)
-        return max(1, budget // (per_token * cache.block_size))
+        block = per_token * cache.block_size
+        if cache.kv_cache_memory is not None and budget < block:
+            raise InvalidRequestError(f"kv_cache_memory must hold at least one KV block: {budget} bytes, one block of "
+                                      f"{cache.block_size} tokens takes {block} bytes here")
+        return max(1, budget // block)
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int] | dict | None, params: SamplingParams | None = None,
