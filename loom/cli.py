@@ -580,6 +580,9 @@ def generate(
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
                                               help="KV cache: auto, float32, float16, int8, int4."),
+    chat_template: str | None = typer.Option(None, "--chat-template",
+                                             help="With --chat: a Jinja chat template (a file, or the template "
+                                                  "itself) in place of the model's (a base model has none)."),
 ) -> None:
     """Generate a completion for one prompt, streaming text to stdout as it is produced."""
     from loom.config import EngineConfig
@@ -590,9 +593,14 @@ def generate(
                             max_tokens=max_tokens, ignore_eos=ignore_eos)
     config = EngineConfig.create(model, threads=threads, kv_cache_dtype=kv_cache_dtype,
                                  speculative_config=_speculative(speculative_config, spec_datastore))
+    if chat_template is not None and not chat:
+        raise LoomError("--chat-template applies with --chat (the prompt as a user message)")
+    template = _chat_template(chat_template)
     from loom.engine.engine import Engine
 
     engine = Engine(config)
+    if template is not None:
+        engine.tokenizer.set_chat_template(template)
     if chat:
         messages = [{"role": "user", "content": prompt}]
         request = {"prompt": engine.tokenizer.apply_chat_template(messages),

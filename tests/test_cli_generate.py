@@ -113,6 +113,20 @@ def test_generate_chat_without_a_template_is_a_one_line_error(tiny_gemma3_path):
     assert "Traceback" not in res.stderr
 
 
+def test_generate_chat_with_a_template_of_ones_own(tiny_gemma3_path, tmp_path):
+    """--chat-template gives a base model (no template of its own) the chat --chat needs."""
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    args = ("generate", "-m", str(tiny_gemma3_path), "hi", "--max-tokens", "4", "--temperature", "0", "--ignore-eos",
+            "--threads", "1")
+    res = loom_cli(*args, "--chat", "--chat-template", str(template))
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr
+    alone = loom_cli(*args, "--chat-template", str(template))
+    assert alone.returncode == 1 and alone.stderr.strip() == "error: --chat-template applies with --chat (the prompt "\
+        "as a user message)", alone.stderr
+
+
 def test_generate_rejects_bad_parameters_in_one_line(tiny_llama_path):
     res = loom_cli("generate", "-m", str(tiny_llama_path), "hi", "--temperature", "-1")
     assert res.returncode == 1
