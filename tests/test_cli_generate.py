@@ -69,7 +69,7 @@ def test_generate_streams_each_delta_and_flushes_it(tiny_llama_path, monkeypatch
     monkeypatch.setattr(sys, "stdout", out)
     cli.generate(prompt="Once upon a time", model=str(tiny_llama_path), max_tokens=30, temperature=0.9,
                  top_p=1.0, top_k=0, seed=3, chat=False, threads=1, ignore_eos=True,
-                 speculative_config=None, spec_datastore=None, kv_cache_dtype=None)
+                 speculative_config=None, spec_datastore=None, kv_cache_dtype=None, chat_template=None)
     want = []
     for d in deltas + ["\n"]:
         want += [("write", d), ("flush", "")]
