@@ -29,10 +29,11 @@ from loom.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogpr
 class Spelling:
     """Tokens' names and bytes from the tokenizer (cached per id)."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, cache: dict[int, bytes] | None = None):
         self._tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._special = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-        self._bytes: dict[int, bytes] = {}
+        self._bytes: dict[int, bytes] = {} if cache is None else cache
 
     def bytes_of(self, token_id: int) -> bytes:
         out = self._bytes.get(token_id)
@@ -54,12 +55,10 @@ class Spelling:
         return b"" if token_id in self._special else self.bytes_of(token_id)
 
     def skipping(self, skip_special_tokens: bool) -> "Spelling":
-        if skip_special_tokens == bool(self._special):
+        """This spelling for a text that skips special tokens, or keeps them (the cache shared)."""
+        if skip_special_tokens == self.skip_special_tokens:
             return self
-        other = Spelling.__new__(Spelling)
-        other._tokenizer, other._bytes = self._tokenizer, self._bytes
-        other._special = frozenset(self._tokenizer.all_special_ids) if skip_special_tokens else frozenset()
-        return other
+        return Spelling(self._tokenizer, skip_special_tokens, self._bytes)
 
 
 class TextCursor:

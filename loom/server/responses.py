@@ -359,7 +359,7 @@ class ResponseEvents:
             self.calls[call["index"]] = item
             self.output.append(item)
             out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                                   item=item.model_copy()))
+                                   item=item))
         if fn.get("arguments"):
             item.arguments += fn["arguments"]
             out.append(self._event("response.function_call_arguments.delta", output_index=self._index(item),
