@@ -322,6 +322,9 @@ def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(tiny: Loom
     with httpx.stream("POST", f"{tiny.url}/v1/chat/completions", json=chat, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["usage"]][-1] == 3
+    role = chunks[0]   # the role chunk carries the prompt's usage and nothing generated, as vLLM's
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert role["usage"]["completion_tokens"] == 0 and role["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0
     plain = dict(body, stream_options={"continuous_usage_stats": True})   # without include_usage: no usage
     with httpx.stream("POST", f"{tiny.url}/v1/completions", json=plain, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]

@@ -92,6 +92,13 @@ class ChoiceGroup:
     def size(self) -> int:
         return len(self._prompts) * self._n
 
+    def prompt_tokens(self, index: int) -> int | None:
+        """The token count of choice `index`'s prompt where it was given as ids (chat's always
+        is), else None."""
+        prompt = self._prompts[index // self._n].prompt
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        return len(ids) if isinstance(ids, list) else None
+
     async def _pump(self, p: _Prompt) -> None:
         trackers = [self._tracker() if self._tracker is not None else None for _ in range(self._n)]
         start = time.monotonic()

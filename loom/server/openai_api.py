@@ -168,6 +168,12 @@ def _choice_usage(out: RequestOutput, score_only: bool = False) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def _opening_usage(group: ChoiceGroup, choices: list) -> UsageInfo | None:
+    """An opening chunk's usage: its choice's prompt and no completion tokens yet."""
+    prompt = group.prompt_tokens(choices[0].index) if choices else None
+    return None if prompt is None else UsageInfo(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+
+
 def _check_stream_options(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options", code="invalid_value")
@@ -557,8 +563,8 @@ class OpenAIServing:
             return event(data)
 
         try:
-            for choices in opening:
-                yield chunk(choices)
+            for choices in opening:   # continuous usage: the prompt's, nothing generated (as vLLM)
+                yield chunk(choices, _opening_usage(group, choices) if include_usage == CONTINUOUS_USAGE else None)
             async for index, out in group:
                 if plain is not None and not out.finished and out.outputs[0].delta_text:
                     yield plain.event(index, out.outputs[0].delta_text)
