@@ -433,6 +433,30 @@ def test_llm_generate_adds_all_or_nothing(tiny_parts, make_tiny):
     assert llm.engine.kv.usage() == 0.0
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "auto"}])
+def test_a_deleted_llm_frees_its_engine_and_model_at_once(tiny_llama_path, spec):
+    """`del llm` frees the model's weights and the KV cache by reference counting, as soon as it
+    runs: no cycle through the engine keeps them for the garbage collector (a notebook that
+    loads a second model must not hold two)."""
+    import gc
+    import weakref
+
+    from loom.llm import LLM
+
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(str(tiny_llama_path), speculative_config=spec)
+        llm.generate(["one two three one two", "four"], SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1),
+                     use_tqdm=False)
+        engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.model)
+        drafter = weakref.ref(llm.engine.runner.spec.drafter) if spec else lambda: None
+        del llm
+        assert engine() is None and model() is None and drafter() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 def test_llm_generate_aborts_its_requests_on_any_exception(make_tiny, monkeypatch, error):
     """Ctrl-C (or any error) inside generate leaves nothing running: the next call runs only

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -145,7 +146,7 @@ class RequestGroups:
     """
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)   # the engine owns the groups: no cycle to keep it alive
         self.groups: dict[str, _Group] = {}
         self._children: dict[str, tuple[_Group, int]] = {}
 

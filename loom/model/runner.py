@@ -109,8 +109,12 @@ class ModelRunner:
         self.states: dict[str, _ReqState] = {}
         self.spec = spec
         self.structured = structured   # compiles constraints into per-request grammar matchers
-        self.spec_host = SpecHost(sample=self._sample, draw=self._drawer, request=self.states.__getitem__,
-                                  commit=self._commit, move_kv=self.kv.move_slots, constrain=self._constrain_tree)
+
+    def _spec_host(self) -> SpecHost:
+        """What one step lends speculation (built per step: kept, its bound methods would tie the
+        runner into a cycle that only the garbage collector frees)."""
+        return SpecHost(sample=self._sample, draw=self._drawer, request=self.states.__getitem__,
+                        commit=self._commit, move_kv=self.kv.move_slots, constrain=self._constrain_tree)
 
     @staticmethod
     def kv_bytes_per_token(cfg, kv_dtype: torch.dtype | KVFormat = torch.float32) -> int:
@@ -162,7 +166,7 @@ class ModelRunner:
             result = self._sample(logits, [out.seqs[i].req_id for i in sample_seqs], known)
         else:
             self.spec.record_step(out, time.perf_counter() - t0)
-            result = self.spec.step(self.spec_host, out, meta, [out.seqs[i] for i in sample_seqs], counts, logits,
+            result = self.spec.step(self._spec_host(), out, meta, [out.seqs[i] for i in sample_seqs], counts, logits,
                                     known)
         result.prompt_logprobs.update(prompt_lps)
         result.kv_keep.update(kv_keep)

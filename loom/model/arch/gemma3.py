@@ -95,10 +95,11 @@ class Gemma3ForCausalLM:
         self.rope_local = RotaryEmbedding(Dh, cfg.rope_theta_local or cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
+        layers = self.layers   # the norms' getter holds the layers, not the model (no cycle)
         # the layers in one call where a batch is all attention-kernel rows (loom.model.layers.stack)
         self.stack = None if self.kern is None else DecodeStack(
-            self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in self.layers],
-            lambda fmt: [t for L in self.layers
+            self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in layers],
+            lambda fmt: [t for L in layers
                          for t in (L.attn_norm, L.ffn_norm, L.post_attn_norm, L.post_ffn_norm, *L.qk_norms(fmt))],
             [0 if L.sliding else 1 for L in self.layers],
             [cfg.sliding_window if L.sliding else 0 for L in self.layers], PRE_GEGLU, cfg.rms_norm_eps, H, Hkv,

@@ -66,11 +66,11 @@ class LlamaForCausalLM:
         self.rope = RotaryEmbedding(Dh, cfg.rope_theta, cfg.context_length)
         self.kern = fused_kernels([self.lm_head] + [b for L in self.layers for b in (L.qkv, L.o, L.gate_up, L.down)],
                                   Dh, D)
-        n = cfg.num_layers
+        n, layers = cfg.num_layers, self.layers   # the norms' getter holds the layers, not the model (no cycle)
         # the layers in one call where a batch is all attention-kernel rows (loom.model.layers.stack)
         self.stack = None if self.kern is None else DecodeStack(
-            self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in self.layers],
-            lambda fmt: [t for L in self.layers for t in (L.attn_norm, L.ffn_norm)], [0] * n, [0] * n,
+            self.kern, [[L.qkv, L.o, L.gate_up, L.down] for L in layers],
+            lambda fmt: [t for L in layers for t in (L.attn_norm, L.ffn_norm)], [0] * n, [0] * n,
             PRE_SWIGLU, cfg.rms_norm_eps, H, Hkv, cfg.attn_scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

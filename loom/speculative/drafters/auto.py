@@ -14,6 +14,8 @@ use, zero included.
 
 from __future__ import annotations
 
+import weakref
+
 from loom.contracts import DraftTree
 from loom.speculative.drafters.base import Drafter, DraftRequest, Observation, register
 from loom.speculative.drafters.prompt_lookup import PromptLookupDrafter
@@ -35,7 +37,11 @@ class AutoDrafter(Drafter):
         self.rate = lambda req_id, source: 0.0   # the controller's rate(request, source) once given
 
     def use_rates(self, rate) -> None:
-        self.rate = rate
+        """Takes the controller's bound `rate` weakly: the controller holds this drafter's `depth`,
+        and a cycle between them would leave both (and the drafters' tables) to the garbage
+        collector."""
+        ref = weakref.WeakMethod(rate)
+        self.rate = lambda req_id, source: ref()(req_id, source)
 
     def hints(self, requests: list[DraftRequest]) -> list[str | None]:
         return self.subs[0].hints(requests)     # prompt lookup's match, the source that comes and goes
