@@ -40,6 +40,9 @@ class AutoDrafter(Drafter):
         """Takes the controller's bound `rate` weakly: the controller holds this drafter's `depth`,
         and a cycle between them would leave both (and the drafters' tables) to the garbage
         collector."""
+        if not hasattr(rate, "__self__"):   # a plain function holds no controller
+            self.rate = rate
+            return
         ref = weakref.WeakMethod(rate)
         self.rate = lambda req_id, source: ref()(req_id, source)
 
