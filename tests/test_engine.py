@@ -112,7 +112,7 @@ def test_prompt_is_prefilled_in_chunks_then_decoded():
     out = s.schedule()
     assert out.seqs == [] and out.finished_req_ids == ["a"]
     assert s.schedule().finished_req_ids == []  # reported once
-    assert s.stats.prompt_tokens == 10 and s.stats.generation_tokens == 2
+    assert s.stats.prompt_tokens == s.stats.prompt_tokens_computed == 10 and s.stats.generation_tokens == 2
 
 
 def test_decodes_are_granted_before_prefill_chunks():
@@ -297,7 +297,7 @@ def test_prefix_hit_skips_cached_blocks_and_shares_them():
     assert b_seq == ScheduledSeq("b", [3, 4, 5], 8, [0, 1, 3], True)
     assert s.requests["b"].num_cached_tokens == 8
     assert s.kv.stats.prefix_cache_hits == 8
-    assert s.stats.prompt_tokens == 10 + 3
+    assert s.stats.prompt_tokens_computed == 10 + 3 and s.stats.prompt_tokens == 10 + 11   # whole prompts
     run_to_end(s, runner)
     assert s.kv.num_free_blocks() == 32
 
@@ -327,7 +327,7 @@ def test_prompt_tokens_count_single_token_chunks():
     s, runner = make_scheduler(budget=4), FakeRunner()
     s.add(make_request("a", 5, max_tokens=1))
     run_to_end(s, runner)
-    assert s.stats.prompt_tokens == 5
+    assert s.stats.prompt_tokens == s.stats.prompt_tokens_computed == 5
 
 
 # =============================================================================================

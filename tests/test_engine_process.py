@@ -28,7 +28,8 @@ from loom.server.metrics import EngineSample
 pytestmark = [pytest.mark.slow]
 
 SAMPLE = EngineSample(num_running=1, num_waiting=2, kv_usage=0.25, num_preemptions=0, prompt_tokens=5,
-                      generation_tokens=7, prefix_cache_queries=5, prefix_cache_hits=0)
+                      generation_tokens=7, prefix_cache_queries=5, prefix_cache_hits=0,
+                      prompt_tokens_computed=5)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +163,10 @@ def test_killed_engine_fails_streams_and_answers_503(long_model, tmp_path) -> No
         assert late.status_code == 503 and "retry-after" not in late.headers
         assert late.json()["error"]["code"] == "engine_unavailable" and errors[0]["code"] == "engine_unavailable"
         assert _metric(server, "vllm:num_requests_running") == 0.0   # nothing runs on a dead engine
+        ended = {line.split('finished_reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                 for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+                 if line.startswith("vllm:request_success_total{")}
+        assert ended["error"] == 2 and ended["abort"] == 0   # the engine failed them; no client left
         assert server.process.poll() is None  # the front end stays up and says so
     finally:
         server.stop()

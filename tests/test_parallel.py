@@ -209,7 +209,9 @@ def test_children_share_the_prompt_which_is_computed_once(make_engine):
             seen_shared = True
         engine.kv.check_integrity()
     assert seen_shared
-    assert engine.scheduler.stats.prompt_tokens == len(PROMPT) - 1 + 4, "one prefill plus each child's last token"
+    stats = engine.scheduler.stats
+    assert stats.prompt_tokens_computed == len(PROMPT) - 1 + 4, "one prefill plus each child's last token"
+    assert stats.prompt_tokens == 4 * len(PROMPT), "each choice counts its prompt, as vLLM's children do"
     [out] = finals
     assert out.request_id == rid and out.finished
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]

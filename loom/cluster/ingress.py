@@ -226,6 +226,7 @@ def _unauthorized(request: Request, api_key: str | None) -> Response | None:
 
 
 _SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",
+                 "prompt_tokens_computed",
                  "generation_tokens", "prefix_cache_queries", "prefix_cache_hits")
 
 

@@ -83,7 +83,7 @@ class LoomReplica:
         exposition = await asyncio.to_thread(self.app.state.metrics.exposition)
         stats = {"num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
                  "kv_cache_usage": s.kv_usage, "num_preemptions": s.num_preemptions, "prompt_tokens": s.prompt_tokens,
-                 "generation_tokens": s.generation_tokens, "prefix_cache_queries": s.prefix_cache_queries,
+                 "prompt_tokens_computed": s.prompt_tokens_computed, "generation_tokens": s.generation_tokens, "prefix_cache_queries": s.prefix_cache_queries,
                  "prefix_cache_hits": s.prefix_cache_hits}
         return {"replica": self.replica, "pid": self.pid, "node": self.node, "num_running": s.num_running,
                 "num_waiting": s.num_waiting, "kv_usage": s.kv_usage, "max_num_seqs": self.max_num_seqs,

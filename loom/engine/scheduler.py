@@ -52,7 +52,8 @@ class SchedulerStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_preemptions: int = 0  # cumulative
-    prompt_tokens: int = 0    # cumulative, computed (not cached) prompt tokens
+    prompt_tokens: int = 0    # cumulative: each request's whole prompt, counted at its first token (vLLM's)
+    prompt_tokens_computed: int = 0   # cumulative, computed (not cached) prompt tokens
     generation_tokens: int = 0
 
 
@@ -278,7 +279,7 @@ class Scheduler:
             else:
                 seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:] + list(draft.tokens), start,
                                          self.kv.block_table(req.request_id), True, draft.parents))
-            self.stats.prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
+            self.stats.prompt_tokens_computed += min(n, max(0, req.num_prompt_tokens - start))
         finished, self._finished_since_last = self._finished_since_last, []
         return SchedulerOutput(seqs, new, finished, copies, preempted, moves, len(self.waiting))
 
@@ -334,6 +335,7 @@ class Scheduler:
                     break
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+                self.stats.prompt_tokens += req.num_prompt_tokens
             req.metrics.last_token_time = now
             touched.append(req)
         for req in touched:

@@ -131,15 +131,18 @@ class ChoiceGroup:
                 p.admitted.set_result(e)
             else:
                 self._queue.put_nowait((p.index * self._n, e))
-                self._abandon(trackers, ended, arrival)
+                self._abandon(trackers, ended, arrival, "error")
         finally:
             await gen.aclose()
 
     @staticmethod
-    def _abandon(trackers: list[RequestTracker | None], ended: list[bool], arrival: float | None) -> None:
+    def _abandon(trackers: list[RequestTracker | None], ended: list[bool], arrival: float | None,
+                 reason: str = "abort") -> None:
+        """The choices not finished end as `reason`: "abort" (the client left, the call was
+        cancelled) or "error" (the engine failed them)."""
         for tracker, done in zip(trackers, ended):
             if tracker is not None and not done:
-                tracker.on_abandoned(arrival, time.monotonic())
+                tracker.on_abandoned(arrival, time.monotonic(), reason)
 
     def watch(self, request: Request) -> None:
         """Closes the group as soon as `request`'s client disconnects (its body already read)."""

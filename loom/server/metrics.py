@@ -31,7 +31,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")   # vLLM's: "error" where the engine failed a request
 
 
 def token_buckets(limit: int) -> tuple[int, ...]:
@@ -56,6 +56,7 @@ class EngineSample:
     prompt_tokens: int
     generation_tokens: int
     prefix_cache_queries: int
+    prompt_tokens_computed: int
     prefix_cache_hits: int
     spec: SpecStats | None = None     # speculative decoding counters; None when it is off
 
@@ -68,6 +69,7 @@ def read_engine_sample(engine) -> EngineSample:
                         prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
                         prefix_cache_queries=kv.stats.prefix_cache_queries,
                         prefix_cache_hits=kv.stats.prefix_cache_hits,
+                        prompt_tokens_computed=s.prompt_tokens_computed,
                         spec=None if spec is None else copy.deepcopy(spec.stats))
 
 
@@ -104,7 +106,10 @@ class _EngineCollector(Collector):
         yield gauge("vllm:gpu_cache_usage_perc", "Older name of vllm:kv_cache_usage_perc (the cache is in RAM).",
                     s.kv_usage)
         yield counter("vllm:num_preemptions", "Requests preempted to free KV blocks.", s.num_preemptions)
-        yield counter("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", s.prompt_tokens)
+        yield counter("vllm:prompt_tokens", "Prompt tokens of the requests that produced a first token (each "
+                      "choice of n counts its prompt), as vLLM counts them.", s.prompt_tokens)
+        yield counter("loom:prompt_tokens_computed", "Prompt tokens computed (prefix-cache hits excluded).",
+                      s.prompt_tokens_computed)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
@@ -239,9 +244,10 @@ class RequestTracker:
             if a is not None and b is not None:
                 m.phase_of[name].observe(max(0.0, b - a))
 
-    def on_abandoned(self, arrival_time: float | None, now: float) -> None:
-        """The request was aborted before finishing (client gone, or the call failed)."""
-        self._end("abort", now, arrival_time)
+    def on_abandoned(self, arrival_time: float | None, now: float, reason: str = "abort") -> None:
+        """The request ended before finishing: "abort" (client gone, call cancelled) or "error"
+        (the engine failed it: its process died, say)."""
+        self._end(reason, now, arrival_time)
 
     def _end(self, reason: str, end: float | None, arrival: float | None) -> None:
         if self.ended:
