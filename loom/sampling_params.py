@@ -204,6 +204,9 @@ class SamplingParams:
         Not with prompt_logprobs (their context would be cut) or n > 1 / best_of.
     detokenize: False leaves the outputs' text empty and their logprobs' decoded tokens None
         (token ids only, as vLLM's); not with stop strings, which are matched in the text.
+    strict_max_tokens: True refuses a max_tokens larger than the room the prompt leaves in the
+        context (ContextLengthError, as vLLM's server refuses it); False (the default, as vLLM's
+        offline engine) cuts it to that room, and the output ends with finish_reason "length".
     """
 
     n: int = 1
@@ -235,6 +238,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     kv_eviction: KVEvictionParams | None = None
     detokenize: bool = True
+    strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, "an integer >= 1")
@@ -288,7 +292,8 @@ class SamplingParams:
             if not 0 <= _int("logprobs", self.logprobs, allowed) <= MAX_LOGPROBS:
                 raise _fail("logprobs", self.logprobs, allowed)
 
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
+                     "strict_max_tokens"):
             _flag(name, getattr(self, name))
         if not self.detokenize and self.stop:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the output's text")
@@ -314,7 +319,9 @@ class SamplingParams:
                                           "evicting sequences do not share KV blocks")
         if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
             # a grammar ends where it ends: past its end only a stop token is allowed
-            raise InvalidRequestError("structured_outputs cannot be combined with ignore_eos or min_tokens > 0")
+            so = self.structured_outputs
+            name = "tool_choice" if so.source == "tools" else so.field_name.split(".")[0]   # forced calls' grammar
+            raise InvalidRequestError(f"{name} cannot be combined with ignore_eos or min_tokens > 0")
 
     def _check_token_controls(self) -> None:
         """logit_bias, allowed_token_ids, bad_words and their token ids, normalised."""

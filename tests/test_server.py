@@ -465,6 +465,9 @@ BAD_REQUESTS = [
     # (id, path, raw body, status, param, words in the message)
     ("malformed-json", COMPLETIONS, b'{"prompt": "hi", ', 400, None, "malformed JSON"),
     ("not-an-object", COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
+    ("nested-too-deep", COMPLETIONS, b'{"prompt": "hi", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None,
+     "nests arrays and objects deeper"),
+    ("not-utf-8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None, "not UTF-8 JSON"),
     ("missing-prompt", COMPLETIONS, b"{}", 400, "prompt", "required"),
     ("string-for-int", COMPLETIONS, b'{"prompt": "hi", "max_tokens": "4"}', 400, "max_tokens", "integer"),
     ("float-for-int", COMPLETIONS, b'{"prompt": "hi", "n": 1.5}', 400, "n", "integer"),
@@ -530,6 +533,20 @@ def test_oversized_body_is_413(tiny: LoomServer) -> None:
     assert response.json()["error"]["code"] == "request_too_large"
 
 
+def test_head_ping_and_the_model_card(tiny: LoomServer) -> None:
+    """HEAD on a GET route answers as the GET without a body (uptime probes); /ping is /health
+    under vLLM's other name; the model card has vLLM's fields."""
+    for path in ("/health", "/v1/models", "/metrics", "/"):
+        head, get = httpx.head(f"{tiny.url}{path}"), httpx.get(f"{tiny.url}{path}")
+        assert head.status_code == get.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"]
+    assert httpx.head(f"{tiny.url}/v1/completions").status_code == 405
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{tiny.url}/ping").json() == httpx.get(f"{tiny.url}/health").json()
+    card = httpx.get(f"{tiny.url}/v1/models").json()["data"][0]
+    assert card["parent"] is None and card["root"] and card["permission"][0]["object"] == "model_permission"
+
+
 def test_answers_carry_a_request_id(tiny: LoomServer) -> None:
     raw = client(tiny).completions.with_raw_response.create(model="tiny-llama", prompt="hi", max_tokens=2)
     assert raw.headers["x-request-id"].startswith("req_") and raw.request_id == raw.headers["x-request-id"]
@@ -553,6 +570,32 @@ def test_unknown_route_and_client_errors(tiny: LoomServer) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client(tiny).completions.create(model="gpt-9", prompt="hi")
     assert e.value.code == "model_not_found"
+    # a max_tokens the request gives past the prompt's room is refused in vLLM's words; unset, it runs to the end
+    limit = httpx.get(f"{tiny.url}/v1/models").json()["data"][0]["max_model_len"]
+    ids = (httpx.post(f"{tiny.url}/tokenize", json={"prompt": "hello world"}).json()["tokens"] * limit)[:limit - 5]
+    room = 5
+
+    def chat_tokens(words: int) -> int:
+        messages = [{"role": "user", "content": "hi " * words}]
+        return httpx.post(f"{tiny.url}/tokenize", json={"messages": messages}).json()["count"]
+
+    low, high = 1, limit   # the most words whose chat prompt leaves more than 5 tokens of room
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if chat_tokens(mid) < limit - 5 else (low, mid)
+    words = low
+    for path, body, param in ((COMPLETIONS, {"prompt": ids, "max_tokens": room + 1}, "max_tokens"),
+                              (CHAT, {"messages": [{"role": "user", "content": "hi " * words}],
+                                      "max_completion_tokens": 10}, "max_tokens"),
+                              ("/v1/responses", {"input": "hi " * words, "max_output_tokens": 16},
+                               "max_output_tokens")):
+        error = httpx.post(f"{tiny.url}{path}", json=body, timeout=30).json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+        assert error["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large")
+        assert f"maximum context length is {limit} tokens" in error["message"]
+    fits = httpx.post(f"{tiny.url}{COMPLETIONS}", json={"prompt": ids, "max_tokens": room, "ignore_eos": True},
+                      timeout=60).json()["choices"][0]
+    assert fits["finish_reason"] == "length"
     with pytest.raises(openai.BadRequestError):
         client(tiny).completions.create(model="tiny-llama", prompt="hi", temperature=-1)
 
@@ -776,9 +819,17 @@ def test_tokenizer_endpoints(tiny: LoomServer) -> None:
     assert httpx.post(f"{tiny.url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "the cat sat"}
     chat = httpx.post(f"{tiny.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > r["count"] - 3
+    # with tools: the prompt a chat request with those tools gets, as its usage counts it
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    messages = [{"role": "user", "content": "what time is it?"}]
+    with_tools = httpx.post(f"{tiny.url}/tokenize", json={"messages": messages, "tools": [tool]}).json()
+    asked = httpx.post(f"{tiny.url}/v1/chat/completions", json={"messages": messages, "tools": [tool], "max_tokens": 1},
+                       timeout=60).json()
+    assert with_tools["count"] == asked["usage"]["prompt_tokens"] > chat["count"]
     for body, param in [({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
                         ({}, "prompt"), ({"prompt": "a", "model": "other"}, "model"),
-                        ({"prompt": "a", "bogus": 1}, "bogus")]:
+                        ({"prompt": "a", "bogus": 1}, "bogus"), ({"messages": []}, "messages"),
+                        ({"prompt": "a", "tools": [tool]}, "tools")]:
         resp = httpx.post(f"{tiny.url}/tokenize", json=body)
         assert resp.status_code in (400, 404) and param in resp.text, body
     bad = httpx.post(f"{tiny.url}/detokenize", json={"tokens": [10 ** 9]})

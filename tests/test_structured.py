@@ -77,8 +77,14 @@ def test_constraints_that_do_not_compile_are_refused_at_add_request(make_tiny):
     engine.structured.compile(StructuredOutputsParams(json={   # `required` as a property's name, and in data
         "type": "object", "required": ["required"], "additionalProperties": False,
         "properties": {"required": {"type": "object", "default": {"required": ["x"]}}}}))
-    with pytest.raises(InvalidRequestError, match="ignore_eos or min_tokens"):
+    with pytest.raises(InvalidRequestError, match="^structured_outputs cannot be combined with ignore_eos or min_tokens"):
         SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
+    forced = StructuredOutputsParams(json={"type": "object"}, source="tools")   # a forced tool call's grammar
+    with pytest.raises(InvalidRequestError, match="^tool_choice cannot be combined with ignore_eos or min_tokens"):
+        SamplingParams(min_tokens=2).clone(structured_outputs=forced)
+    with pytest.raises(InvalidRequestError, match="^response_format cannot"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True, source="response_format"),
+                       ignore_eos=True)
     assert not engine.has_unfinished_requests()
 
 
@@ -419,8 +425,8 @@ UNIT = {"type": "function", "function": {
 
 
 def test_a_forced_call_cut_short_is_the_same_streamed_or_not() -> None:
-    """max_tokens inside a forced call: the answer without streaming holds the calls begun, with
-    their arguments as far as they got, as the stream's deltas join to (finish_reason length)."""
+    """max_tokens (or a stop string) inside a forced call: the answer without streaming holds the
+    calls begun, with their arguments as far as they got, as the stream's deltas join to."""
     plan = ToolPlan([WEATHER, TIME], "required", None, True)
     text = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Par'
     content, calls, finish = plan.message(text, "length")
@@ -430,6 +436,9 @@ def test_a_forced_call_cut_short_is_the_same_streamed_or_not() -> None:
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
         [("get_weather", "".join(d["function"]["arguments"] for d in deltas))] == [("get_weather", '{"city": "Par')]
     assert plan.message('{"tool_calls": [{"na', "length") == (None, None, "length")
+    # a stop string cuts it the same way: the calls begun, never loom's wrapper as content
+    content, calls, finish = plan.message('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"', "stop")
+    assert content is None and finish == "stop" and calls[0]["function"]["arguments"] == '{"city": "Paris"'
 
 
 def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny) -> None:
@@ -442,7 +451,7 @@ def test_forced_calls_stream_as_openai_streams_them_on_the_tiny_model(make_tiny)
     with TestClient(build_app(InProcessEngineClient(AsyncEngine(make_tiny())), served_model_name="tiny")) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
         ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT],
-                   tool_choice="required", parallel_tool_calls=False, max_completion_tokens=200, temperature=0)
+                   tool_choice="required", parallel_tool_calls=False, max_completion_tokens=100, temperature=0)
         whole = client.chat.completions.create(**ask).choices[0]
         chunks = list(client.chat.completions.create(**ask, stream=True))
         raw = http.post("/v1/chat/completions", json={**ask, "stream": True}).text
@@ -534,7 +543,7 @@ def _auto_pair(client, text: str, **ask) -> tuple[list, list]:
     """The non-streamed and streamed answers of the tiny model under tool_choice auto, its output
     forced to `text` by a regex: (choices, chunk choices)."""
     ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT], temperature=0,
-               max_completion_tokens=200, logprobs=True,
+               max_completion_tokens=100, logprobs=True,
                extra_body={"structured_outputs": {"regex": _literal(text)}}) | ask
     whole = client.chat.completions.create(**ask).choices
     return whole, [c for ch in client.chat.completions.create(**ask, stream=True) for c in ch.choices]
@@ -573,7 +582,7 @@ def test_auto_tool_choice_streams_calls_as_deltas_for_each_of_n_choices(tiny_cli
 
 def test_forced_calls_stream_their_logprobs_and_a_named_function_is_called_once(tiny_client) -> None:
     ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=[UNIT], temperature=0,
-               tool_choice={"type": "function", "function": {"name": "set_unit"}}, max_completion_tokens=200,
+               tool_choice={"type": "function", "function": {"name": "set_unit"}}, max_completion_tokens=100,
                logprobs=True, top_logprobs=2)
     whole = tiny_client.chat.completions.create(**ask).choices[0]
     chunks = [c for ch in tiny_client.chat.completions.create(**ask, stream=True) for c in ch.choices]
@@ -598,7 +607,7 @@ def test_tool_parameters_with_local_references_and_of_other_types(tiny_client) -
     unit = {"$defs": {"U": {"enum": ["c", "k"]}}, "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]}
     tools = [{"type": "function", "function": {"name": "set_unit", "parameters": unit}}]
     ask = dict(model="tiny", messages=[{"role": "user", "content": "units?"}], tools=tools, temperature=0,
-               tool_choice="required", parallel_tool_calls=False, max_completion_tokens=200)
+               tool_choice="required", parallel_tool_calls=False, max_completion_tokens=100)
     whole = tiny_client.chat.completions.create(**ask).choices[0]
     assert whole.finish_reason == "tool_calls"
     assert all(json.loads(c.function.arguments)["u"] in ("c", "k") for c in whole.message.tool_calls)
@@ -647,15 +656,15 @@ def test_a_named_tool_choice_allows_one_call_unless_parallel_calls_are_asked_for
 
 
 @pytest.mark.parametrize("text, max_tokens, finish, calls_sent", [
-    ('{"tool_calls": [{"name": "set_units", "arguments": {"unit": "kelvin"}}]}', 200, "stop", False),   # unknown
-    ('{"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}}]} done', 200, "stop", True),
+    ('{"tool_calls": [{"name": "set_units", "arguments": {"unit": "kelvin"}}]}', 100, "stop", False),   # unknown
+    ('{"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}}]} done', 100, "stop", True),
     ('{"tool_calls": [{"name": "set_unit", "arguments": {"unit": "kelvin"}}]}', -4, "length", True),  # 4 short
 ])
 def test_auto_tool_choice_text_that_opens_calls_but_is_not_calls_streams_as_content(
         tiny_client, text, max_tokens, finish, calls_sent) -> None:
     if max_tokens < 0:   # cut inside the arguments: the whole output's length, less a few tokens
         full = tiny_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "units?"}],
-                                                   tools=[UNIT], temperature=0, max_completion_tokens=200,
+                                                   tools=[UNIT], temperature=0, max_completion_tokens=100,
                                                    extra_body={"structured_outputs": {"regex": _literal(text)}})
         max_tokens += full.usage.completion_tokens
     whole, chunks = _auto_pair(tiny_client, text, max_completion_tokens=max_tokens)

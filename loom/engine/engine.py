@@ -19,7 +19,7 @@ from loom.engine.detokenize import OutputState
 from loom.engine.groups import ChildSpec, RequestGroups, child_request, per_child_appends
 from loom.engine.request import Request, RequestStatus, check_token_ids, token_controls
 from loom.engine.scheduler import Scheduler
-from loom.errors import InvalidRequestError, QueueFullError
+from loom.errors import ContextLengthError, InvalidRequestError, QueueFullError
 from loom.kv.eviction import make_policy
 from loom.loader.cache import file_sha256
 from loom.loader.gguf import GGUFFile
@@ -172,6 +172,11 @@ class Engine:
             max_tokens = self.max_model_len if params.max_tokens is None else params.max_tokens
         else:
             room = self.max_model_len - len(ids)
+            if params.strict_max_tokens and params.max_tokens is not None and params.max_tokens > room:
+                raise ContextLengthError(   # vLLM's server's words, which clients parse to retry with less
+                    f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. This model's "
+                    f"maximum context length is {self.max_model_len} tokens and your request has {len(ids)} "
+                    f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(ids)}).")
             max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
             rid = str(next(self._ids))

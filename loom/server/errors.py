@@ -96,6 +96,8 @@ def api_error_from_loom(e: LoomError, path: str = "") -> ApiError:
     if param == "prompt" and path.endswith(("/chat/completions", "/responses")):
         param = "messages" if path.endswith("/chat/completions") else "input"
     if isinstance(e, ContextLengthError):
+        if message.startswith("'max_tokens'"):   # the budget past the prompt's room
+            param = "max_output_tokens" if path.endswith("/responses") else "max_tokens"
         return ApiError(400, message, param=param, code="context_length_exceeded")
     return ApiError(400, message, param=param, code="invalid_value" if param else None)
 
@@ -178,8 +180,9 @@ def install_error_handlers(app: FastAPI) -> None:
                        "(it serves /v1/completions, /v1/chat/completions, /v1/responses, /v1/models and "
                        "vLLM's /tokenize, /detokenize; see /docs)")
             return error_response(404, message, type=INVALID_REQUEST, code="unknown_url")
-        elif e.status_code == 400 and message == _FASTAPI_BODY_PARSE_ERROR:
-            message = "malformed JSON body: it is not valid UTF-8 JSON text"
+        elif e.status_code == 400 and message == _FASTAPI_BODY_PARSE_ERROR:   # not UTF-8, or too deep for the parser
+            return error_response(400, "malformed JSON body: it is not UTF-8 JSON text, or it nests arrays and "
+                                  "objects deeper than the parser allows", code="invalid_body")
         return error_response(e.status_code, message, headers=dict(e.headers or {}) or None)
 
     @app.exception_handler(Exception)

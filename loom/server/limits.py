@@ -1,6 +1,7 @@
 """The server's HTTP edge: `BodySizeLimit`, ASGI middleware that refuses request bodies larger
-than a limit with a 413, `RequestIds`, which names every answer with an ``x-request-id``, and
-`Cors`, which lets browser pages on other origins call the API.
+than a limit with a 413, `RequestIds`, which names every answer with an ``x-request-id``,
+`HeadAsGet`, which answers HEAD on every GET route, and `Cors`, which lets browser pages on
+other origins call the API.
 
 A declared ``Content-Length`` above the limit is refused before anything is read. Otherwise
 the body is read up to the limit: if it goes over, the request is refused; if not, the
@@ -56,6 +57,29 @@ class RequestIds:
             await send(message)
 
         await self.app(scope, receive, named)
+
+
+class HeadAsGet:
+    """HEAD answered as the GET of the same path without its body (status and headers, the
+    length included), as llama-server and most HTTP servers do: uptime probes that send HEAD to
+    /health or /v1/models see what a GET sees. A path without GET answers 405 as before."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class BodySizeLimit:

@@ -52,11 +52,12 @@ from loom.server.errors import (
     install_error_handlers,
     retry_headers,
 )
-from loom.server.limits import BodySizeLimit, Cors, RequestIds
+from loom.server.limits import BodySizeLimit, Cors, HeadAsGet, RequestIds
 from loom.server.logprobs import Spelling, TextCursor, chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
     DetokenizeRequest,
+    ModelPermission,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
@@ -396,7 +397,10 @@ class OpenAIServing:
         return cap if value is None else value
 
     @staticmethod
-    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        strict: bool = False) -> SamplingParams:
+        """The request's SamplingParams; `strict`: a max_tokens the request gave itself, refused
+        (as vLLM's server refuses it) where the prompt leaves less room in the context."""
         def given(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -411,7 +415,8 @@ class OpenAIServing:
             logit_bias=_logit_bias(body.logit_bias), allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words, truncate_prompt_tokens=body.truncate_prompt_tokens,
             prediction=None if body.prediction is None else body.prediction.text,
-            kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True))
+            kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True),
+            strict_max_tokens=strict and max_tokens is not None)
 
     # -- running a group ---------------------------------------------------------------------
     async def collect(self, group: ChoiceGroup, request: Request) -> list[RequestOutput]:
@@ -496,7 +501,8 @@ class OpenAIServing:
         # max_tokens 0: the prompt is scored and one token generated, which is not returned
         max_tokens = self.max_tokens(1 if score_only else body.max_tokens, "max_tokens",
                                      "max_tokens" in body.model_fields_set)
-        params = self.sampling_params(body, max_tokens, body.logprobs)
+        params = self.sampling_params(body, max_tokens, body.logprobs,
+                                      strict=body.max_tokens is not None and not score_only)
         wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
         if wanted:
             params = params.clone(prompt_logprobs=max(wanted))
@@ -644,7 +650,8 @@ class OpenAIServing:
         else:
             max_tokens = self.max_tokens(body.max_tokens, "max_tokens", True)
         top_k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, top_k)
+        explicit = body.max_completion_tokens is not None or body.max_tokens is not None
+        params = self.sampling_params(body, max_tokens, top_k, strict=explicit)
         tools = _tool_plan(body)
         if (schema := tools.forced_schema()) is not None:
             if params.structured_outputs is not None:
@@ -675,7 +682,7 @@ class OpenAIServing:
         return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
                                       loom=extension)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolPlan) -> dict[str, Any]:
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan) -> dict[str, Any]:
         extra = _template_variables(body.chat_template_kwargs)
         messages = _message_dicts(body.messages, self.ae.tokenizer.chat_template)
         if tools.active:   # the template's own tool prompt where it has one, else loom's generic one
@@ -752,21 +759,18 @@ class OpenAIServing:
         tok = self.ae.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt", code="invalid_value")
+        if body.tools is not None and body.prompt is not None:
+            raise ApiError(400, "tools go with messages (a chat prompt), not with a plain prompt", param="tools",
+                           code="invalid_value")
         if body.prompt is not None:
             try:
                 ids = await off_loop(len(body.prompt), tok.encode, body.prompt,
                                      add_special_tokens=body.add_special_tokens)
             except TokenizerError as e:
                 raise ApiError(400, str(e), param="prompt", code="invalid_value") from None
-        else:
-            messages = _message_dicts(body.messages, tok.chat_template)
-            try:
-                ids = await off_loop(_text_size(messages), tok.encode_chat, messages,
-                                     add_generation_prompt=body.add_generation_prompt,
-                                     continue_final_message=body.continue_final_message,
-                                     **_template_variables(body.chat_template_kwargs))
-            except TokenizerError as e:
-                raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
+        else:   # the prompt a chat request with these messages and tools gets
+            ids = (await self._chat_prompt(body, ToolPlan(tool_dicts(body.tools or []), "auto", None, True))
+                   )["prompt_token_ids"]
         strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.ae.max_model_len, tokens=ids, token_strs=strs)
 
@@ -788,15 +792,17 @@ class OpenAIServing:
 
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model, created=self.created, root=self.ae.model_name,
-                         max_model_len=self.ae.max_model_len)
+                         max_model_len=self.ae.max_model_len,
+                         permission=[ModelPermission(id=f"modelperm-{self.model}", created=self.created)])
 
     async def stats(self) -> StatsResponse:
         s = await asyncio.to_thread(sample_engine, self.ae)
         return StatsResponse(model=self.model, max_model_len=self.ae.max_model_len,
                              num_requests_running=s.num_running, num_requests_waiting=s.num_waiting,
                              kv_cache_usage=s.kv_usage, num_preemptions=s.num_preemptions,
-                             prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens,
-                             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+                             prompt_tokens=s.prompt_tokens, prompt_tokens_computed=s.prompt_tokens_computed,
+                             generation_tokens=s.generation_tokens, prefix_cache_queries=s.prefix_cache_queries,
+                             prefix_cache_hits=s.prefix_cache_hits)
 
 
 def _bearer_check(api_key: str):
@@ -914,6 +920,7 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
     app.add_middleware(RequestIds)
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected) -> Response:
@@ -999,7 +1006,7 @@ def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
 
 
 def _add_service_routes(app: FastAPI, ae: EngineClient, metrics: ServerMetrics) -> None:
-    """/health, /version, /metrics and the playground."""
+    """/health (and /ping), /version, /metrics and the playground."""
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS})
     async def health():
@@ -1013,6 +1020,12 @@ def _add_service_routes(app: FastAPI, ae: EngineClient, metrics: ServerMetrics) 
                            "code": "engine_unavailable"}}).model_dump(),
                 status_code=503, headers=retry_headers(error))
         return HealthResponse()
+
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse, responses={503: _ERRORS},
+                   include_in_schema=False)
+    async def ping():
+        """/health under vLLM's (and SageMaker's) other name."""
+        return await health()
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

@@ -551,13 +551,32 @@ class ChatCompletionChunk(_Response):
 # -- models, health, stats ------------------------------------------------------------------------
 
 
+class ModelPermission(_Response):
+    """vLLM's permission entry of a model card (what this server lets a client do with it)."""
+
+    id: str
+    object: Literal["model_permission"] = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "loom"
-    root: str | None = Field(None, description="Extension: the model file or registry name served.")
-    max_model_len: int | None = Field(None, description="Extension: the context limit in tokens.")
+    root: str | None = Field(None, description="Extension (as vLLM's): the model file or registry name served.")
+    parent: str | None = Field(None, description="Extension (as vLLM's): the base model of an adapter; none here.")
+    max_model_len: int | None = Field(None, description="Extension (as vLLM's): the context limit in tokens.")
+    permission: list[ModelPermission] = Field(default_factory=list, description="Extension (as vLLM's).")
 
 
 class ModelList(_Response):
@@ -570,7 +589,9 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = Field(
+        None, description="messages: the tools a chat request would offer (their prompt is rendered as it is there).")
     add_special_tokens: bool = Field(True, description="prompt: add BOS/EOS as the model's flags say.")
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening.")
     continue_final_message: bool = Field(False, description="messages: leave the final message open.")
@@ -624,7 +645,9 @@ class StatsResponse(_Response):
     num_requests_waiting: int
     kv_cache_usage: float = Field(description="Fraction of KV blocks in use, 0..1.")
     num_preemptions: int
-    prompt_tokens: int
+    prompt_tokens: int = Field(description="Prompt tokens of the requests that produced a first token, "
+                                           "each choice counting its prompt (vllm:prompt_tokens).")
+    prompt_tokens_computed: int = Field(description="Prompt tokens computed (prefix-cache hits excluded).")
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int

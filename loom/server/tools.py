@@ -153,8 +153,8 @@ class ToolPlan:
             calls = parse_calls(text, self.tools)
             if calls is not None:
                 return None, calls if self.parallel else calls[:1], "tool_calls"
-        if self.streams_calls and finish == "length":   # cut off mid-call: the calls as they streamed
-            return None, self.partial_calls(text), finish
+        if self.streams_calls and finish in ("length", "stop"):   # cut mid-call (max_tokens, a stop string
+            return None, self.partial_calls(text), finish            # or id): the calls as they streamed
         return text, None, finish
 
     def partial_calls(self, text: str) -> list[dict[str, Any]] | None:
