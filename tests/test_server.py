@@ -535,7 +535,8 @@ def test_oversized_body_is_413(tiny: LoomServer) -> None:
 
 def test_head_ping_and_the_model_card(tiny: LoomServer) -> None:
     """HEAD on a GET route answers as the GET without a body (uptime probes); /ping is /health
-    under vLLM's other name; the model card has vLLM's fields."""
+    under vLLM's other name; the model card has vLLM's fields; the log says where it serves."""
+    assert f"serving tiny-llama on {tiny.url} (the playground at /" in tiny.log_text()
     for path in ("/health", "/v1/models", "/metrics", "/"):
         head, get = httpx.head(f"{tiny.url}{path}"), httpx.get(f"{tiny.url}{path}")
         assert head.status_code == get.status_code == 200 and head.content == b"", path

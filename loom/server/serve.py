@@ -4,7 +4,8 @@ By default the engine runs in its own process (`loom/server/engine_core.py`) and
 is the HTTP front end; `engine_process=False` keeps the engine on a thread of this process.
 The socket is bound first (a port in use or a host that does not resolve is one line at once),
 then the model is loaded, so a bad model path fails the command with its `LoomError` message
-instead of a half-started server; uvicorn listens and logs the address once it is loaded. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process. An engine process
+instead of a half-started server; uvicorn serves once it is loaded, and the address is logged
+then. SIGINT/SIGTERM stop uvicorn, whose shutdown stops the engine process. An engine process
 that dies while serving is replaced (`engine_restarts`, see ProcessEngineClient).
 """
 
@@ -21,10 +22,20 @@ from loom.server.engine_client import DEFAULT_ENGINE_RESTARTS, engine_client
 from loom.server.limits import Cors
 from loom.server.openai_api import DEFAULT_MAX_BODY_BYTES, build_app
 
+log = logging.getLogger("loom.serve")
+
 
 class _Server(uvicorn.Server):
     """uvicorn that ends open streams as soon as SIGINT/SIGTERM arrives (an error event and
     [DONE]), instead of letting them hold the graceful shutdown until it cancels them."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:   # uvicorn logs its address only for sockets it binds itself
+            host, port = sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            log.info("serving %s on http://%s:%d (the playground at /, the OpenAI API under /v1)",
+                     self.config.app.state.serving.model, shown, port)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
