@@ -19,7 +19,7 @@ LOOM = Path(__file__).resolve().parent.parent / "loom"
 # Lowest first. A unit (a top-level module or a subpackage of loom) may import units of
 # lower layers only: not its own layer's other units, never a higher one.
 LAYERS: list[set[str]] = [
-    {"errors", "hugepages"},        # hugepages: huge-page buffers (numpy only)
+    {"errors", "hugepages", "paths"},   # hugepages: huge-page buffers (numpy only); paths: LOOM_CACHE
     {"eviction_params"},            # KV eviction settings, held by sampling_params and config
     {"sampling_params", "config", "outputs"},
     {"contracts"},

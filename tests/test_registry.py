@@ -282,3 +282,17 @@ def test_real_default_model_is_cached_and_verifies():
         while chunk := f.read(1 << 20):
             h.update(chunk)
     assert h.hexdigest() == entry.sha256
+
+
+@pytest.mark.parametrize("value, expected", [("", ".cache/loom"), ("  ", ".cache/loom"), ("~/elsewhere", "elsewhere")])
+def test_every_cache_reads_loom_cache_one_way(monkeypatch, value, expected):
+    """Models, packed weights and kernels share one root: an empty LOOM_CACHE is the default
+    (not the current directory) and a ~ is expanded for all of them."""
+    from loom import kernels
+    from loom.loader import cache, registry
+
+    monkeypatch.setenv("LOOM_CACHE", value)
+    root = Path.home() / expected
+    assert registry.cache_dir() == cache.cache_root() == root
+    if kernels.supported_variants():
+        assert kernels._build_dir(kernels.supported_variants()[0]).parent == root / "kernels"

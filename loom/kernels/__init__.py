@@ -42,6 +42,7 @@ import torch
 
 from loom.errors import LoomError
 from loom.kernels.cpu import cpu_flags
+from loom.paths import cache_root
 
 log = logging.getLogger("loom.kernels")
 
@@ -108,8 +109,7 @@ def _build_dir(variant: str) -> Path:
     flags = " ".join(sorted(cpu_flags())) + " | " + " ".join(_cflags(variant))
     code = source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     key = hashlib.sha256(code + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom"))
-    return root / "kernels" / key
+    return cache_root() / "kernels" / key
 
 
 def _import_built(name: str, path: Path):

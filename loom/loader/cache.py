@@ -32,6 +32,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from loom.paths import cache_root
+
 log = logging.getLogger("loom")
 
 _CHUNK = 1 << 20
@@ -42,8 +44,6 @@ class CacheWriteError(OSError):
     """A cache file could not be written (read-only or full directory, ...)."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom")).expanduser()
 
 
 @lru_cache(maxsize=1)

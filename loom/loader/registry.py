@@ -35,6 +35,7 @@ from rich.progress import TimeRemainingColumn
 from rich.text import Text
 
 from loom.errors import RegistryError
+from loom.paths import cache_root
 
 _CHUNK = 1 << 20
 _SIDECAR_SUFFIX = ".sha256"
@@ -101,8 +102,7 @@ REGISTRY: dict[str, ModelEntry] = {
 
 def cache_dir() -> Path:
     """Root of loom's cache: ``$LOOM_CACHE`` if set, else ``~/.cache/loom``."""
-    env = os.environ.get("LOOM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "loom"
+    return cache_root()
 
 
 def models_dir() -> Path:
