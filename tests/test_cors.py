@@ -28,8 +28,10 @@ def test_every_origin_by_default_and_preflights_pass_before_the_api_key(make_tin
         assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "*"
         ok = http.post("/v1/completions", json=BODY, headers={"Origin": PAGE, "Authorization": "Bearer k"})
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
-        too_big = http.post("/v1/completions", content=b"x" * (3 << 20), headers={"Origin": PAGE})
+        too_big = http.post("/v1/completions", content=b"x" * (3 << 20), headers={"Origin": PAGE, "Authorization": "Bearer k"})
         assert too_big.status_code == 413 and too_big.headers["access-control-allow-origin"] == "*"
+        unkeyed = http.post("/v1/completions", content=b"x" * (3 << 20), headers={"Origin": PAGE})
+        assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == "*"   # before any read
 
 
 def test_listed_origins_only_and_none_at_all(make_tiny):

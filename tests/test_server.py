@@ -623,6 +623,12 @@ def test_api_key_guards_v1_only(strict: LoomServer) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=strict.base_url, api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in client(strict).models.list().data] == ["tiny-spm"]
+    # the key is checked before the body is read, on the tokenizer routes too; HEAD and /ping are open
+    bad_body = httpx.post(f"{strict.url}{COMPLETIONS}", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert bad_body.status_code == 401 and bad_body.headers["www-authenticate"] == "Bearer"
+    assert httpx.post(f"{strict.url}/tokenize", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(f"{strict.url}/tokenize", json={"prompt": "hi"}, headers=strict.headers()).status_code == 200
+    assert httpx.head(f"{strict.url}/health").status_code == httpx.get(f"{strict.url}/ping").status_code == 200
 
 
 # -- load, disconnects, metrics ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ notification) go to the server as usual.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from dataclasses import dataclass
 
@@ -57,6 +58,33 @@ class RequestIds:
             await send(message)
 
         await self.app(scope, receive, named)
+
+
+class BearerKey:
+    """--api-key: a request to the API (``/v1/...`` and vLLM's tokenizer routes) without the
+    key is a 401 before its body is read, as vLLM's middleware answers it (FastAPI reads the
+    body before the routes' own check, so a malformed body got a 400 first). /health,
+    /metrics, /version and the playground stay open; CORS preflights pass."""
+
+    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or not (scope["path"] + "/").startswith(self.PATHS)):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, given = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                                  type="authentication_error", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 class HeadAsGet:

@@ -52,7 +52,7 @@ from loom.server.errors import (
     install_error_handlers,
     retry_headers,
 )
-from loom.server.limits import BodySizeLimit, Cors, HeadAsGet, RequestIds
+from loom.server.limits import BearerKey, BodySizeLimit, Cors, HeadAsGet, RequestIds
 from loom.server.logprobs import Spelling, TextCursor, chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
 from loom.server.protocol import (
@@ -919,6 +919,8 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+    if api_key:   # before the body is read (the routes' own check documents it in the schema)
+        app.add_middleware(BearerKey, api_key=api_key)
     app.add_middleware(RequestIds)
     app.add_middleware(HeadAsGet)
 
