@@ -738,6 +738,35 @@ def test_metrics_use_vllm_names(tiny: LoomServer) -> None:
                       "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
         assert metric(s, f"{histogram}_count", **label) >= 1, histogram
     assert metric(s, "vllm:request_generation_tokens_bucket", le="5.0", **label) >= 1     # 4 tokens
+    assert metric(s, "process_resident_memory_bytes") > 0 and metric(s, "vllm:iteration_tokens_total_count", **label) > 0
+
+
+def test_request_metrics_move_by_what_each_request_did(tiny: LoomServer) -> None:
+    """vLLM's per-request series: n, max_tokens and the most tokens a choice generated once per
+    prompt; each choice's mean time per output token; a best_of answer's tokens, which arrive
+    at once, still give their inter-token gaps; the steps' token histogram counts every step."""
+    label = {"model_name": "tiny-llama"}
+    names = ("vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens",
+             "vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
+             "vllm:iteration_tokens_total")
+
+    def counts() -> dict[str, tuple[float, float]]:
+        s = scrape(tiny)
+        return {n: (metric(s, f"{n}_count", **label), metric(s, f"{n}_sum", **label)) for n in names}
+
+    before = counts()
+    body = {"model": "tiny-llama", "prompt": "count me", "max_tokens": 4, "ignore_eos": True, "n": 2}
+    assert httpx.post(f"{tiny.url}{COMPLETIONS}", json=body, timeout=60).status_code == 200
+    after = counts()
+    delta = {n: (after[n][0] - before[n][0], after[n][1] - before[n][1]) for n in names}
+    assert delta["vllm:request_params_n"] == (1, 2) and delta["vllm:request_params_max_tokens"] == (1, 4)
+    assert delta["vllm:request_max_num_generation_tokens"] == (1, 4)
+    assert delta["vllm:request_time_per_output_token_seconds"][0] == 2
+    assert delta["vllm:inter_token_latency_seconds"][0] == 2 * 3 and delta["vllm:iteration_tokens_total"][0] >= 4
+    best = {"model": "tiny-llama", "prompt": "pick me", "max_tokens": 5, "ignore_eos": True, "best_of": 3}
+    assert httpx.post(f"{tiny.url}{COMPLETIONS}", json=best, timeout=60).status_code == 200
+    itl = counts()["vllm:inter_token_latency_seconds"][0] - after["vllm:inter_token_latency_seconds"][0]
+    assert itl == 4
 
 
 # -- the schema -------------------------------------------------------------------------------------

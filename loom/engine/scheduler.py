@@ -36,14 +36,19 @@ windows). A StreamingLLM request is not stopped at max_model_len.
 
 from __future__ import annotations
 
+import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loom.config import CacheConfig, SchedulerConfig
 from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
 from loom.engine.request import Request, RequestStatus
 from loom.kv.eviction import kept_runs
 from loom.kv.manager import KVCacheManager, PrefixHit
+
+
+# vLLM's buckets of vllm:iteration_tokens_total
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -55,6 +60,14 @@ class SchedulerStats:
     prompt_tokens: int = 0    # cumulative: each request's whole prompt, counted at its first token (vLLM's)
     prompt_tokens_computed: int = 0   # cumulative, computed (not cached) prompt tokens
     generation_tokens: int = 0
+    # tokens per step (prompt tokens computed + tokens generated): cumulative counts per bucket of
+    # ITERATION_BUCKETS (the last: above them all), and their sum (vllm:iteration_tokens_total)
+    iteration_tokens: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
+
+    def count_step(self, tokens: int) -> None:
+        self.iteration_tokens[bisect.bisect_left(ITERATION_BUCKETS, tokens)] += 1
+        self.iteration_tokens_sum += tokens
 
 
 class Scheduler:
@@ -69,6 +82,7 @@ class Scheduler:
         self._seen_by_runner: set[str] = set()
         self._finished_since_last: list[str] = []
         self.stats = SchedulerStats()
+        self._step_prompt_tokens = 0   # prompt tokens the scheduled step computes (counted at its update)
 
     # -- requests in and out --------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -127,6 +141,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self._step_prompt_tokens = 0
         grants: dict[str, int] = {}
         copies: list[tuple[int, int]] = []
         moves: list[tuple[int, int]] = []
@@ -279,7 +294,7 @@ class Scheduler:
             else:
                 seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:] + list(draft.tokens), start,
                                          self.kv.block_table(req.request_id), True, draft.parents))
-            self.stats.prompt_tokens_computed += min(n, max(0, req.num_prompt_tokens - start))
+            self._step_prompt_tokens += min(n, max(0, req.num_prompt_tokens - start))
         finished, self._finished_since_last = self._finished_since_last, []
         return SchedulerOutput(seqs, new, finished, copies, preempted, moves, len(self.waiting))
 
@@ -305,6 +320,7 @@ class Scheduler:
         """Applies a step's results; returns the requests that got tokens or finished."""
         touched = []
         now = time.monotonic()
+        generated = self.stats.generation_tokens
         for seq in out.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -341,6 +357,9 @@ class Scheduler:
         for req in touched:
             if req.status.finished:
                 self.finish(req.request_id, req.status)
+        self.stats.prompt_tokens_computed += self._step_prompt_tokens
+        self.stats.count_step(self._step_prompt_tokens + self.stats.generation_tokens - generated)
+        self._step_prompt_tokens = 0
         self._refresh_stats()
         return touched
 

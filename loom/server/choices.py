@@ -122,6 +122,10 @@ class ChoiceGroup:
                     if trackers[c.index] is not None:
                         trackers[c.index].on_output(choice)
                     self._queue.put_nowait((index, choice))
+            if all(ended) and trackers[0] is not None:
+                finals = [self._finals[p.index * self._n + i] for i in range(self._n)]
+                trackers[0].m.on_prompt_finished(self._n, self._params.max_tokens,
+                                                 max(len(f.outputs[0].token_ids) for f in finals))
         except asyncio.CancelledError:
             # add_request runs before the generator's first wait, so a cancelled prompt was queued
             self._abandon(trackers, ended, arrival if arrival is not None else start)

@@ -19,12 +19,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loom.outputs import RequestOutput
 from loom.contracts import SpecStats
+from loom.engine.scheduler import ITERATION_BUCKETS
+from loom.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
                 160.0, 640.0)
@@ -59,6 +61,8 @@ class EngineSample:
     prompt_tokens_computed: int
     prefix_cache_hits: int
     spec: SpecStats | None = None     # speculative decoding counters; None when it is off
+    iteration_tokens: tuple[int, ...] = ()   # steps per bucket of ITERATION_BUCKETS (+ one above), cumulative
+    iteration_tokens_sum: int = 0
 
 
 def read_engine_sample(engine) -> EngineSample:
@@ -70,6 +74,7 @@ def read_engine_sample(engine) -> EngineSample:
                         prefix_cache_queries=kv.stats.prefix_cache_queries,
                         prefix_cache_hits=kv.stats.prefix_cache_hits,
                         prompt_tokens_computed=s.prompt_tokens_computed,
+                        iteration_tokens=tuple(s.iteration_tokens), iteration_tokens_sum=s.iteration_tokens_sum,
                         spec=None if spec is None else copy.deepcopy(spec.stats))
 
 
@@ -114,11 +119,25 @@ class _EngineCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        if s.iteration_tokens:
+            yield _iteration_histogram(s, labels)
         yield counter("loom:engine_restarts", "Engine processes started anew after one died (loom serve "
                       "--engine-restarts); the engine counters above start from zero with each.",
                       self.ae.restarts)
         if s.spec is not None:
             yield from _spec_metrics(s.spec, labels, counter)
+
+
+def _iteration_histogram(s: EngineSample, labels: list[str]) -> HistogramMetricFamily:
+    """vllm:iteration_tokens_total from the engine's per-bucket step counts."""
+    h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt tokens computed "
+                              "and tokens generated).", labels=["model_name"])
+    running, buckets = 0, []
+    for bound, n in zip([*map(str, map(float, ITERATION_BUCKETS)), "+Inf"], s.iteration_tokens):
+        running += n
+        buckets.append((bound, running))
+    h.add_metric(labels, buckets, s.iteration_tokens_sum)
+    return h
 
 
 def _spec_metrics(st: SpecStats, labels: list[str], counter) -> Iterator[Metric]:
@@ -176,6 +195,20 @@ class ServerMetrics:
             ("prefill", "Time from a request's first scheduling to its first token."),
             ("decode", "Time from a request's first token to its last."),
             ("inference", "Time from a request's first scheduling to its end."))}
+        self.time_per_output = Histogram("vllm:request_time_per_output_token_seconds",
+                                         "Each finished request's mean time per output token after its first.",
+                                         labels, buckets=ITL_BUCKETS, registry=self.registry)
+        # per prompt of an API request (all its choices), as vLLM's parent requests
+        self.params_n = Histogram("vllm:request_params_n", "The n of each request.", labels,
+                                  buckets=(1, 2, 5, 10, 20), registry=self.registry)
+        self.params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens of each request "
+                                           "that set one.", labels, buckets=tokens, registry=self.registry)
+        self.max_generation = Histogram("vllm:request_max_num_generation_tokens", "The most tokens any choice "
+                                        "of a request generated.", labels, buckets=tokens, registry=self.registry)
+        # the server process's own (vLLM's default registry has them): memory, CPU, open files, GC
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.success = Counter("vllm:request_success", "Requests finished, by reason.",
                                ["finished_reason", "model_name"], registry=self.registry)
         # Every reason is exported from the start, so rate() works before the first request ends.
@@ -186,6 +219,16 @@ class ServerMetrics:
         self.ttft_of, self.itl_of, self.e2e_of = (h.labels(model_name) for h in (self.ttft, self.itl, self.e2e))
         self.prompt_len_of, self.output_len_of = self.prompt_len.labels(model_name), self.output_len.labels(model_name)
         self.phase_of = {name: h.labels(model_name) for name, h in phase.items()}
+        self.time_per_output_of = self.time_per_output.labels(model_name)
+        self.params_n_of, self.params_max_tokens_of = self.params_n.labels(model_name), self.params_max_tokens.labels(model_name)
+        self.max_generation_of = self.max_generation.labels(model_name)
+
+    def on_prompt_finished(self, n: int, max_tokens: int | None, most_generated: int) -> None:
+        """One prompt of an API request finished all its choices (vLLM's parent request)."""
+        self.params_n_of.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens_of.observe(max_tokens)
+        self.max_generation_of.observe(most_generated)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -219,6 +262,11 @@ class RequestTracker:
                 if times is not None and times.first_token_time is not None:
                     self.m.ttft_of.observe(max(0.0, times.first_token_time - times.arrival_time))
                 new -= 1
+                if new and out.finished and times is not None and times.first_token_time is not None \
+                        and times.last_token_time is not None:   # all at once (best_of): the engine's gaps
+                    gap = max(0.0, times.last_token_time - times.first_token_time) / new
+                    for _ in range(new):
+                        self.m.itl_of.observe(gap)
             else:
                 gap = max(0.0, now - self.last_seen) / new
                 for _ in range(new):
@@ -243,6 +291,9 @@ class RequestTracker:
         for name, (a, b) in spans.items():
             if a is not None and b is not None:
                 m.phase_of[name].observe(max(0.0, b - a))
+        tokens = len(out.outputs[0].token_ids)
+        if tokens > 1 and times.first_token_time is not None and times.last_token_time is not None:
+            m.time_per_output_of.observe(max(0.0, times.last_token_time - times.first_token_time) / (tokens - 1))
 
     def on_abandoned(self, arrival_time: float | None, now: float, reason: str = "abort") -> None:
         """The request ended before finishing: "abort" (client gone, call cancelled) or "error"
