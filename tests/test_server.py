@@ -465,6 +465,11 @@ BAD_REQUESTS = [
     # (id, path, raw body, status, param, words in the message)
     ("malformed-json", COMPLETIONS, b'{"prompt": "hi", ', 400, None, "malformed JSON"),
     ("not-an-object", COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
+    ("beam-search", COMPLETIONS, b'{"prompt": "hi", "use_beam_search": true}', 400, "use_beam_search", "False"),
+    ("guided-backend", COMPLETIONS, b'{"prompt": "hi", "guided_regex": "a", "guided_decoding_backend": "outlines"}',
+     400, None, "xgrammar"),
+    ("guided-and-structured", COMPLETIONS,
+     b'{"prompt": "hi", "guided_regex": "a", "structured_outputs": {"regex": "b"}}', 400, None, "not several"),
     ("nested-too-deep", COMPLETIONS, b'{"prompt": "hi", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None,
      "nests arrays and objects deeper"),
     ("not-utf-8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None, "not UTF-8 JSON"),
@@ -546,6 +551,24 @@ def test_head_ping_and_the_model_card(tiny: LoomServer) -> None:
         assert httpx.request(method, f"{tiny.url}/ping").json() == httpx.get(f"{tiny.url}/health").json()
     card = httpx.get(f"{tiny.url}/v1/models").json()["data"][0]
     assert card["parent"] is None and card["root"] and card["permission"][0]["object"] == "model_permission"
+
+
+def test_vllm_request_fields_and_older_names(tiny: LoomServer) -> None:
+    """vLLM's request_id names the answer (an X-Request-Id header first), and two requests may
+    share one; guided_* are structured_outputs' older names; no-op fields of vLLM and
+    llama-server at values that change nothing are accepted."""
+    body = {"prompt": "hi", "max_tokens": 2, "request_id": "mine"}
+    answers = [httpx.post(f"{tiny.url}{COMPLETIONS}", json=body, timeout=60).json() for _ in range(2)]
+    assert [a["id"] for a in answers] == ["cmpl-mine", "cmpl-mine"]
+    chat = httpx.post(f"{tiny.url}{CHAT}", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                      headers={"X-Request-Id": "from-header"}, timeout=60).json()
+    assert chat["id"] == "chatcmpl-from-header"
+    choice = httpx.post(f"{tiny.url}{COMPLETIONS}", json={"prompt": "pick", "guided_choice": ["left", "right"],
+                                                        "guided_decoding_backend": "xgrammar"}, timeout=60).json()
+    assert choice["choices"][0]["text"] in ("left", "right")
+    noop = {"prompt": "hi", "max_tokens": 2, "use_beam_search": False, "spaces_between_special_tokens": True,
+            "cache_prompt": True}
+    assert httpx.post(f"{tiny.url}{COMPLETIONS}", json=noop, timeout=60).status_code == 200
 
 
 def test_answers_carry_a_request_id(tiny: LoomServer) -> None:

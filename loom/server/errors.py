@@ -128,6 +128,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         where = f" at position {loc[1]}" if len(loc) > 1 else ""
         return f"malformed JSON body: {detail}{where}", None
     if loc == ("body",):
+        if kind == "value_error":   # a whole-body check of a request model (its own words)
+            return str(first.get("msg", "invalid request")).removeprefix("Value error, "), None
         if kind == "missing":
             return "the request needs a JSON object body (Content-Type: application/json)", None
         return "the request body must be a JSON object (sent with Content-Type: application/json)", None

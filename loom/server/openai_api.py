@@ -175,6 +175,18 @@ def _opening_usage(group: ChoiceGroup, choices: list) -> UsageInfo | None:
     return None if prompt is None else UsageInfo(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
 
 
+def _answer_id(prefix: str, body: SamplingFields, request: Request) -> str:
+    """The answer's id, as vLLM names it: `prefix`-, then the request's X-Request-Id header, else
+    its `request_id` field, else a random one."""
+    given = request.headers.get("x-request-id") or body.request_id
+    return f"{prefix}-{given or uuid.uuid4().hex}"
+
+
+def _engine_id(answer_id: str) -> str:
+    """The engine's request id of an answer: unique even where clients reuse their own ids."""
+    return f"{answer_id}-{uuid.uuid4().hex[:12]}"
+
+
 def _check_stream_options(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options needs stream: true", param="stream_options", code="invalid_value")
@@ -511,12 +523,12 @@ class OpenAIServing:
             prompts = [await off_loop(len(p), self.ae.tokenizer.encode, p, add_special_tokens=False)
                        if isinstance(p, str) else p
                        for p in prompts]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = _answer_id("cmpl", body, request), int(time.time())
         plan = plan_loom(body.loom, body.stream, body.n)
         if body.stream and body.best_of is not None and body.best_of > body.n:
             raise ApiError(400, "best_of > n ranks finished choices: it cannot be streamed", param="best_of",
                            code="unsupported")
-        group = fan_out(self.ae, prompts, params, body.n, rid, body.priority, self.metrics.tracker,
+        group = fan_out(self.ae, prompts, params, body.n, _engine_id(rid), body.priority, self.metrics.tracker,
                         best_of=body.best_of, fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = _usage_mode(body.stream_options)
@@ -659,9 +671,9 @@ class OpenAIServing:
                                "response_format or structured_outputs", param="tool_choice", code="invalid_value")
             params = params.clone(structured_outputs=StructuredOutputsParams(json=schema, source="tools"))
         prompt = await self._chat_prompt(body, tools)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = _answer_id("chatcmpl", body, request), int(time.time())
         plan = plan_loom(body.loom, body.stream, body.n)
-        group = fan_out(self.ae, [prompt], params, body.n, rid, body.priority, self.metrics.tracker,
+        group = fan_out(self.ae, [prompt], params, body.n, _engine_id(rid), body.priority, self.metrics.tracker,
                         fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = _usage_mode(body.stream_options)

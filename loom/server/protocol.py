@@ -202,8 +202,35 @@ class KVEvictionRequest(_Request):
     pool: PositiveCount | None = Field(None, description="snapkv: width of the score pooling (odd, default 7).")
 
 
+# vLLM's older names of structured_outputs' kinds (its guided decoding fields), read as them
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_is_structured_outputs(cls, data: Any) -> Any:
+        """vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (and
+        `guided_decoding_backend` "auto" or "xgrammar", which compiles them here) are its
+        `structured_outputs` under their older names."""
+        if not isinstance(data, dict) or not any(k in data for k in (*GUIDED_FIELDS, "guided_decoding_backend")):
+            return data
+        data = dict(data)
+        backend = data.pop("guided_decoding_backend", None)
+        if backend not in (None, "auto", "xgrammar"):
+            raise ValueError(f"guided_decoding_backend {backend!r}: loom compiles constraints with xgrammar "
+                             f"(give 'auto', 'xgrammar' or nothing)")
+        guided = {kind: data.pop(name) for name, kind in GUIDED_FIELDS.items() if data.get(name) is not None}
+        for name in GUIDED_FIELDS:
+            data.pop(name, None)   # null: nothing asked
+        if len(guided) > 1 or (guided and data.get("structured_outputs") is not None):
+            raise ValueError("give one of structured_outputs and the guided_* fields (vLLM's older names of "
+                             "its kinds), not several")
+        if guided:
+            data["structured_outputs"] = guided
+        return data
 
     model: str | None = Field(None, description="The served model name; omitted means the served model.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 decodes greedily; default 1.")
@@ -225,6 +252,16 @@ class SamplingFields(_Request):
     service_tier: str | None = Field(None, description="Accepted and ignored.")
     prompt_cache_key: str | None = Field(None, description="Accepted and ignored (loom's prefix cache is automatic).")
     safety_identifier: str | None = Field(None, description="Accepted and ignored.")
+    cache_prompt: bool | None = Field(None, description="llama-server's; accepted and ignored (loom's prefix "
+                                                        "cache is automatic).")
+    request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        None, description="Extension (vLLM): the answer's id is cmpl-<request_id> / chatcmpl-<request_id> (an "
+                          "X-Request-Id header takes precedence, as in vLLM).")
+    use_beam_search: Literal[False] | None = Field(None, description="Extension (vLLM): false only; beam search "
+                                                                     "is offline (LLM.beam_search).")
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="Extension (vLLM): accepted; loom's byte-level detokenizer writes special tokens as "
+                          "they are, as vLLM's fast tokenizers do either way.")
     response_format: ResponseFormat | None = Field(None, description="json_object or json_schema constrain the "
                                                                     "output to JSON.")
     structured_outputs: StructuredOutputsRequest | None = Field(None, description="Extension: json, regex, "
