@@ -15,7 +15,8 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, pinned: this CPU build satisfies the package's torch requirement, so pip never pulls a CUDA build.
-# Then loom's C++ kernels are compiled for this CPU (about a minute; loom falls back to torch without them).
+# Then loom's C++ kernels are compiled for this CPU, the variant it runs (a minute or two; loom falls back to
+# torch without them); make test builds the other variants the CPU runs too.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
@@ -44,6 +45,7 @@ serve: install
 VARIANT_TESTS ?= tests/test_kernels.py tests/test_engine.py tests/test_spec.py tests/test_sampler.py
 
 test: models browser
+	@$(BIN)/python -m loom.kernels --all
 	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \

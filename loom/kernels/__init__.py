@@ -142,7 +142,7 @@ def build(variant: str, verbose: bool = False):
             module = _import_if_built(name, built) if built.is_file() else None   # another process built it
             if module is None:
                 from torch.utils.cpp_extension import load as cpp_load   # heavy: only when building
-                log.warning("compiling loom's %s kernels for this CPU into %s (once; about a minute)", variant, d)
+                log.warning("compiling loom's %s kernels for this CPU into %s (once; a minute or two)", variant, d)
                 module = cpp_load(name=name, sources=[str(VARIANTS[variant][0])], build_directory=str(d),
                                   extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], verbose=verbose)
     module.build_key = d.name   # what it was built from, as loaded (the sources may change later)

@@ -1,5 +1,6 @@
-"""`python -m loom.kernels`: build the compiled kernels now, every variant this CPU runs
-(make install runs this; `LOOM_KERNELS` then picks one at run time)."""
+"""`python -m loom.kernels [--all] [-v]`: build the compiled kernels now: the variant loom runs
+on this CPU (make install runs this), and with --all every other variant it can run too (make
+test runs them all; `LOOM_KERNELS` picks one at run time)."""
 
 import sys
 
@@ -9,11 +10,13 @@ verbose = "-v" in sys.argv
 if kernels.load(verbose=verbose) is None:
     print(f"loom kernels not built ({kernels.unavailable_reason()}); loom will use its torch fallback")
 else:
-    for other in kernels.supported_variants():
+    built = [kernels.variant()]
+    for other in kernels.supported_variants() if "--all" in sys.argv else ():
         if other != kernels.variant():
             try:
                 kernels.build(other, verbose)
             except Exception as e:  # the preferred variant works; say why this one does not
                 print(f"loom kernels: the {other} variant did not build: {str(e).strip().splitlines()[-1]}")
                 continue
-    print(f"loom kernels ready ({kernels.variant()}; built: {', '.join(kernels.supported_variants())})")
+            built.append(other)
+    print(f"loom kernels ready ({kernels.variant()}; built: {', '.join(built)})")
