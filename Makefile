@@ -7,6 +7,7 @@ MODEL  ?= smollm2-135m
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+TORCH_INDEX ?=
 
 .PHONY: install models browser serve test bench clean
 
@@ -15,10 +16,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, pinned: this CPU build satisfies the package's torch requirement, so pip never pulls a CUDA build.
+# Where the pip index serves torch 2.13.0 as its CUDA build (plain PyPI on Linux does), name PyTorch's CPU
+# index: make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # Then loom's C++ kernels are compiled for this CPU, the variant it runs (a minute or two; loom falls back to
 # torch without them); make test builds the other variants the CPU runs too.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/python -m loom.kernels
 	touch $@
