@@ -499,13 +499,25 @@ def _start_engine_fork_server() -> None:
     """The fork server the engine process is forked from (`ProcessEngineClient` uses it), started
     before this process imports anything of the HTTP front end (loom.server, even for its CORS
     settings): that process imports the engine while this one imports the front end, so the two
-    imports (~3-4 s each on a slow VM) overlap instead of running one after the other."""
+    imports (~3-4 s each on a slow VM) overlap instead of running one after the other.
+
+    It starts with SIGINT ignored (an ignored signal stays ignored in the program a process
+    executes, and Python then installs no KeyboardInterrupt handler; a blocked one would not
+    stay blocked: multiprocessing's spawn resets the mask): the fork server ignores SIGINT only
+    once its imports are done, so a Ctrl-C to the terminal's process group during a start
+    printed a traceback from inside torch's import. This process answers Ctrl-C, but for the
+    ~10 ms of the spawn."""
     import multiprocessing.forkserver
+    import signal
 
     from loom.server.engine_client import engine_process_context
 
     engine_process_context()
-    multiprocessing.forkserver.ensure_running()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _serve_here(config, engine_process: bool, front: dict[str, Any], engine_restarts: int) -> None:

@@ -8,9 +8,12 @@ behind; `--no-engine-process` still serves.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import pickle
 import signal
+import tempfile
 import threading
 import time
 
@@ -435,10 +438,12 @@ def test_a_killed_front_end_leaves_no_process_behind(long_model, tmp_path) -> No
     """SIGKILL gives the front end no chance to stop anything: the engine process (forked by the
     fork server, not by the front end) sees the front end's pidfd close and ends itself, and the
     fork server and resource tracker follow."""
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "loom-engine-*")))
     server = start("front-killed", long_model, tmp_path)
     try:
         kids = psutil.Process(server.process.pid).children(recursive=True)
         assert engine_children(server)
+        ipc_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "loom-engine-*"))) - before   # its sockets
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                           json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
             next(line for line in r.iter_lines() if line.startswith("data: {"))   # the engine is busy
@@ -446,6 +451,7 @@ def test_a_killed_front_end_leaves_no_process_behind(long_model, tmp_path) -> No
         server.process.wait(timeout=30)
         gone, alive = psutil.wait_procs(kids, timeout=15)
         assert not alive, f"left behind: {[(p.pid, p.cmdline()[-1][:60]) for p in alive]}"
+        assert ipc_dirs and not any(os.path.exists(d) for d in ipc_dirs)   # the engine removed its sockets
     finally:
         server.stop()
 

@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -106,11 +107,12 @@ class EngineCore:
         self.outputs.send(self.encoder.encode(msg), copy=False)
 
 
-def _die_with(front_pid: int) -> None:
+def _die_with(front_pid: int, ipc_dir: str | None = None) -> None:
     """SIGTERM to this process when `front_pid` exits (the engine process is forked from
     multiprocessing's fork server, so the front end is not its parent and PR_SET_PDEATHSIG, which
-    follows the parent, does not apply). Where pidfds are missing (not Linux 5.3+) the thread
-    checks the process every FRONT_CHECK_S instead."""
+    follows the parent, does not apply), after removing `ipc_dir`, the sockets' directory the
+    front end would have removed. Where pidfds are missing (not Linux 5.3+) the thread checks the
+    process every FRONT_CHECK_S instead."""
     def watch() -> None:
         try:
             fd = os.pidfd_open(front_pid)
@@ -121,11 +123,20 @@ def _die_with(front_pid: int) -> None:
         else:
             while _alive(front_pid):
                 time.sleep(FRONT_CHECK_S)
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     if not _alive(front_pid):
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=watch, name="loom-front-end-watch", daemon=True).start()
+
+
+def _ipc_dir(address: str) -> str | None:
+    """The directory of an ipc:// socket the front end made for this engine (loom-engine-*)."""
+    path = address.removeprefix("ipc://") if address.startswith("ipc://") else None
+    parent = os.path.dirname(path) if path else None
+    return parent if parent and os.path.basename(parent).startswith("loom-engine-") else None
 
 
 def _alive(pid: int) -> bool:
@@ -143,7 +154,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     """Entry point of the engine-core process (see the module docstring); `front_pid`: the
     front end's process (default: the parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(front_pid if front_pid is not None else os.getppid())
+    _die_with(front_pid if front_pid is not None else os.getppid(), _ipc_dir(input_addr))
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context(1)
     inputs = ctx.socket(zmq.PULL)
