@@ -155,7 +155,7 @@ def test_verified_hash_is_remembered(cache: Path, monkeypatch: pytest.MonkeyPatc
     assert registry.pull("tiny-test", progress=False) == cache / "tiny-test.gguf"
 
 
-def test_changed_cached_file_is_detected_and_replaced(cache: Path, monkeypatch: pytest.MonkeyPatch):
+def test_changed_cached_file_is_detected_and_replaced(cache: Path, monkeypatch: pytest.MonkeyPatch, caplog):
     entry = _entry(CONTENT)
     monkeypatch.setitem(registry.REGISTRY, "tiny-test", entry)
     cache.mkdir(parents=True)
@@ -171,6 +171,7 @@ def test_changed_cached_file_is_detected_and_replaced(cache: Path, monkeypatch: 
     monkeypatch.setattr(registry.subprocess, "run", fake)
     assert registry.pull("tiny-test", progress=False) == path
     assert len(fake.calls) == 1 and path.read_bytes() == CONTENT
+    assert "fails its checksum" in caplog.text and "downloading it again" in caplog.text   # says why it downloads
 
 
 # -- downloading ---------------------------------------------------------------------------------

