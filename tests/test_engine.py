@@ -1299,3 +1299,32 @@ def test_detokenize_false_gives_token_ids_only(make_tiny):
     assert plain.outputs[0].text and plain.outputs[0].logprobs[0][plain.outputs[0].token_ids[0]].decoded_token
     with pytest.raises(InvalidRequestError, match="stop strings need detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_async_engine_forgets_every_finished_request(make_tiny):
+    """AsyncEngine (loom serve --no-engine-process, the cluster's replicas) keeps a queue per
+    request only while it runs: finished ones (n = 1 and n > 1), aborted ones and ones whose
+    reader stopped early all leave nothing behind (6.5 KB a finished request piled up)."""
+    import asyncio
+
+    from loom.engine.async_engine import AsyncEngine
+
+    ae = AsyncEngine(make_tiny())
+
+    async def run() -> None:
+        async def drain(params: SamplingParams) -> None:
+            async for _ in ae.generate("hello there", params):
+                pass
+
+        async def first_only() -> None:
+            async for _ in ae.generate("hello", SamplingParams(max_tokens=30, ignore_eos=True)):
+                break
+
+        await asyncio.gather(*(drain(SamplingParams(max_tokens=4, n=n, temperature=0.8, seed=n)) for n in (1, 1, 3)),
+                             first_only())
+
+    try:
+        asyncio.run(run())
+        assert ae._queues == {} and not ae.engine.has_unfinished_requests()
+    finally:
+        ae.shutdown()

@@ -104,8 +104,8 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            for out in outs:
-                entry = self._queues.get(out.request_id)
+            for out in outs:   # a finished request's queue gets its last output and is forgotten
+                entry = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
                 if entry is not None:
                     loop, queue = entry
                     loop.call_soon_threadsafe(queue.put_nowait, out)
