@@ -196,3 +196,33 @@ def test_responses_parse_as_the_clients_types(real: LoomServer) -> None:
     assert Response.model_validate(raw).id == raw["id"]
     assert set(raw) >= {"id", "object", "created_at", "status", "output", "usage", "tools", "tool_choice",
                         "parallel_tool_calls", "text", "model"}
+
+
+def test_the_store_keeps_compact_json_within_its_byte_budget() -> None:
+    """Stored responses round-trip exactly (response, conversation, input items) and are held
+    as JSON within a byte budget as well as a count: the oldest go first, the newest stays."""
+    from loom.server.responses import ResponseStore
+    from loom.server.responses_protocol import (IncompleteDetails, InputMessageOut, OutputMessage, OutputText,
+                                                ResponseObject)
+
+    def response(i: int, text: str) -> ResponseObject:
+        return ResponseObject(id=f"resp_{i}", created_at=1, model="m", status="incomplete", parallel_tool_calls=True,
+                              store=True, temperature=1.0, top_p=1.0, tool_choice="auto", tools=[],
+                              text={"format": {"type": "text"}}, metadata={},
+                              incomplete_details=IncompleteDetails(reason="max_output_tokens"),
+                              output=[OutputMessage(id=f"msg_{i}", status="incomplete",
+                                                    content=[OutputText(text=text)])])
+
+    items = [InputMessageOut(id="msg_in", role="user", content=[{"type": "input_text", "text": "hi"}])]
+    store = ResponseStore(size=10, max_bytes=20_000)
+    first = response(0, "a" * 100)
+    store.put(first, [{"role": "user", "content": "hi"}], items)
+    assert store.get("resp_0") == first and store.conversation("resp_0") == [{"role": "user", "content": "hi"}]
+    assert store.input_items("resp_0", None, 10, "asc").data == items
+    for i in range(1, 6):   # ~5-6 KB each: the budget holds the newest three
+        store.put(response(i, "b" * 5000), [], items)
+    assert list(store._entries) == ["resp_3", "resp_4", "resp_5"] and store.bytes <= 20_000
+    store.put(response(9, "c" * 50_000), [], items)   # larger than the budget alone: the newest stays
+    assert list(store._entries) == ["resp_9"] and store.get("resp_9").output[0].content[0].text == "c" * 50_000
+    store.delete("resp_9")
+    assert store.bytes == 0

@@ -11,9 +11,9 @@ one `function_call` item per call, `incomplete` where the token budget ended it;
 the Responses API's typed events (``event: <type>`` and ``data: <json>``, numbered, without a
 final ``[DONE]``).
 
-Stored responses (`store`, the default, as OpenAI's) are kept in memory, the latest
-`STORE_SIZE` of them, with the conversation they end; with `--replicas`, each replica keeps its
-own.
+Stored responses (`store`, the default, as OpenAI's) are kept in memory as compact JSON, the
+latest `STORE_SIZE` of them within `STORE_BYTES`, with the conversation they end; with
+`--replicas`, each replica keeps its own.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from loom.server.errors import ApiError
 from loom.server.protocol import ChatCompletionRequest, ChatCompletionResponse
@@ -35,6 +35,7 @@ from loom.server.responses_protocol import (
     FunctionCallOut,
     FunctionCallOutputItem,
     FunctionCallOutputOut,
+    IncompleteDetails,
     InputItemList,
     InputMessage,
     InputMessageOut,
@@ -47,14 +48,19 @@ from loom.server.responses_protocol import (
     ResponsesRequest,
     ResponseStreamEvent,
     ResponseUsage,
+    StoredItem,
 )
 from loom.server.sse import DONE
 
 STORE_SIZE = 1000   # responses kept for GET and previous_response_id, the latest first to stay
+STORE_BYTES = 256 << 20   # and at most this much of them (compact JSON): one with top-20 logprobs is ~1.5 KB a token
 
 # chat request fields named differently here (for the param of an error)
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
            "logprobs": "include"}
+
+
+_ITEMS = TypeAdapter(list[StoredItem])   # a stored response's input items, as JSON
 
 
 def _new_id(prefix: str) -> str:
@@ -160,24 +166,39 @@ def stored_items(body: ResponsesRequest) -> list[InputMessageOut | FunctionCallO
 
 
 class ResponseStore:
-    """The latest `size` stored responses, each with the conversation it ends (chat messages,
-    instructions left out: a continuation gives its own) and its input items."""
+    """The latest stored responses, each with the conversation it ends (chat messages,
+    instructions left out: a continuation gives its own) and its input items: at most `size` of
+    them and `max_bytes` of their compact JSON (the newest always stays), the oldest evicted
+    first. Kept as JSON, read back when asked for: as objects they took ~10x the memory, and a
+    thousand answers with logprobs grew the server by gigabytes."""
 
-    def __init__(self, size: int = STORE_SIZE):
-        self.size = size
-        self._entries: OrderedDict[str, tuple[ResponseObject, list[dict[str, Any]], list]] = OrderedDict()
+    def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES):
+        self.size, self.max_bytes = size, max_bytes
+        self._entries: OrderedDict[str, tuple[bytes, bytes, bytes]] = OrderedDict()
+        self.bytes = 0
 
     def put(self, response: ResponseObject, conversation: list[dict[str, Any]], items: list) -> None:
-        self._entries[response.id] = (response, conversation, items)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        entry = (response.model_dump_json().encode(), json.dumps(conversation).encode(), _ITEMS.dump_json(items))
+        self._forget(response.id)
+        self._entries[response.id] = entry
+        self.bytes += sum(map(len, entry))
+        while len(self._entries) > self.size or (self.bytes > self.max_bytes and len(self._entries) > 1):
+            self._forget(next(iter(self._entries)))
 
-    def get(self, response_id: str) -> ResponseObject:
+    def _forget(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= sum(map(len, entry))
+
+    def _entry(self, response_id: str) -> tuple[bytes, bytes, bytes]:
         entry = self._entries.get(response_id)
         if entry is None:
             raise ApiError(404, f"No response with id {response_id!r} is stored on this server.",
                            param="response_id", code="not_found")
-        return entry[0]
+        return entry
+
+    def get(self, response_id: str) -> ResponseObject:
+        return ResponseObject.model_validate_json(self._entry(response_id)[0])
 
     def conversation(self, response_id: str | None) -> list[dict[str, Any]]:
         if response_id is None:
@@ -185,20 +206,20 @@ class ResponseStore:
         entry = self._entries.get(response_id)
         if entry is None:
             raise ApiError(400, f"Previous response with id {response_id!r} not found: it was not stored on this "
-                           f"server (store false, evicted past the latest {self.size}, another replica's, or a "
-                           "restart since)", param="previous_response_id", code="previous_response_not_found")
-        return [dict(m) for m in entry[1]]
+                           f"server (store false, evicted past the latest {self.size} or {self.max_bytes >> 20} MB, "
+                           "another replica's, or a restart since)", param="previous_response_id",
+                           code="previous_response_not_found")
+        return json.loads(entry[1])
 
     def delete(self, response_id: str) -> ResponseDeleted:
-        self.get(response_id)
-        del self._entries[response_id]
+        self._entry(response_id)
+        self._forget(response_id)
         return ResponseDeleted(id=response_id)
 
     def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
         """A page of the response's input items: `limit` of them after the item `after`, oldest
         first with order asc (newest first by default, as OpenAI lists them)."""
-        self.get(response_id)
-        items = list(self._entries[response_id][2])
+        items = _ITEMS.validate_json(self._entry(response_id)[2])
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -212,7 +233,7 @@ class ResponseStore:
                              has_more=len(items) > limit)
 
     def cancel(self, response_id: str) -> None:
-        self.get(response_id)
+        self._entry(response_id)
         raise ApiError(400, "Only responses created with background=true can be cancelled; this server runs none "
                        "in the background, so this one has finished.", param="response_id", code="invalid_value")
 
@@ -281,7 +302,7 @@ class ResponsesServing:
                                    arguments=c["function"]["arguments"], status="completed") for c in calls]
         response = self._shell(body, rid, status).model_copy(update={
             "output": output, "usage": usage_of(answer["usage"]),
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None})
         response = ResponseObject.model_validate(response.model_dump())
         if body.store:
             self.store.put(response, conversation + _assistant_turn(output), stored_items(body))
@@ -400,7 +421,7 @@ class ResponseEvents:
         out += self._close_text(status) + self._close_calls()
         response = self.serving._shell(self.body, self.rid, status).model_copy(update={
             "output": self.output, "usage": usage_of(self.usage) if self.usage else None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if incomplete else None})
         response = ResponseObject.model_validate(response.model_dump())
         if self.body.store:
             self.serving.store.put(response, self.conversation + _assistant_turn(response.output),
