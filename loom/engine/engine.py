@@ -105,7 +105,11 @@ class Engine:
         self.outputs: dict[str, OutputState] = {}
         self.groups = RequestGroups(self)  # n > 1 / best_of requests: children sharing KV (engine/groups.py)
         self._ids = itertools.count()
-        log.info("loaded %s in %.1fs: %d KV blocks of %d tokens", path.name, self.load_seconds, num_blocks, bs)
+        kv_bytes = num_blocks * bs * ModelRunner.kv_bytes_per_token(self.model.cfg, self.kv_dtype)
+        # the cache's pages become resident as blocks are first used: RSS grows toward this over time
+        log.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%d tokens, %.2f GB of %s KV cache, paged in as "
+                 "first used)", path.name, self.load_seconds, num_blocks, bs, num_blocks * bs, kv_bytes / 1e9,
+                 self.kv_dtype.name)
 
     def _kv_dtype(self) -> KVFormat:
         return kv_cache_format(self.config.cache.kv_cache_dtype, self.model)
