@@ -22,6 +22,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 import loom
+from loom.config import SPECULATIVE_METHODS
 from loom.errors import LoomError
 from loom.loader import registry
 
@@ -62,6 +63,11 @@ def _interrupted(e: BaseException) -> bool:
     return False
 
 
+
+def _flag(default: bool, *names: str, **kw: Any) -> Any:
+    """A boolean option, shown without the `<bool>` that typer writes for a value it takes none of."""
+    return typer.Option(default, *names, metavar="", **kw)
+
 app = typer.Typer(
     cls=_LoomGroup,
     name="loom",
@@ -79,7 +85,7 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _options(version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True,
+def _options(version: bool = _flag(False, "--version", "-V", callback=_print_version, is_eager=True,
                                           help="Print loom's version and exit.")) -> None:
     """loom: LLM inference and serving on CPUs."""
 
@@ -87,8 +93,8 @@ def _options(version: bool = typer.Option(False, "--version", "-V", callback=_pr
 @app.command()
 def pull(
     name: str = typer.Argument(registry.DEFAULT_MODEL, help="Registry model name (see `loom models`)."),
-    force: bool = typer.Option(False, "--force", help="Download again even if the cache holds the model."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+    force: bool = _flag(False, "--force", help="Download again even if the cache holds the model."),
+    quiet: bool = _flag(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
     """Download a registry model into the cache and print its path."""
     path = registry.pull(name, progress=not quiet, force=force)
@@ -159,8 +165,8 @@ def _check_bench_outputs(json_path: Path | None, markdown: Path | None, plot: Pa
         raise LoomError(f"--plot {plot}: is a file; --plot names the directory the charts go into")
 
 
-SPEC_CONFIG_HELP = ('Speculative decoding as JSON, e.g. \'{"method": "auto"}\' (methods: prompt_lookup, '
-                    'token_recycling, lookahead, draft_model, retrieval, auto, grammar).')
+SPEC_CONFIG_HELP = ('Speculative decoding as JSON, e.g. \'{"method": "auto"}\' (methods: '
+                    f'{", ".join(SPECULATIVE_METHODS)}).')
 SPEC_DATASTORE_HELP = ("A corpus the retrieval drafter copies from: a text file or a directory of them (.jsonl: each "
                        "line's \"text\"); alone it turns on method retrieval, with --speculative-config it adds "
                        "the corpus to that method.")
@@ -197,9 +203,9 @@ def bench(
                               "per request of every run (default: 128; quick: 32)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the full report as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write PNG charts into this directory."),
-    quick: bool = typer.Option(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
+    quick: bool = _flag(False, "--quick", help="A small smoke run (short runs, concurrency 1,4)."),
     prompts: Path | None = typer.Option(None, "--prompts", help="Spec-Bench question.jsonl to draw prompts from."),
-    spec: bool = typer.Option(False, "--spec", help="Speculative decoding per Spec-Bench category instead of the "
+    spec: bool = _flag(False, "--spec", help="Speculative decoding per Spec-Bench category instead of the "
                               "peer suites: speedups single-stream and at 8 concurrent, vs llama.cpp's prompt lookup."),
     spec_prompts: int | None = typer.Option(None, "--spec-prompts", min=1,
                                             help="With --spec: prompts per category (default 4; quick: 1)."),
@@ -211,11 +217,11 @@ def bench(
                                                  "speedups: their median paired ratio (default 2; quick: 1)."),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH",
                                               help="With --spec: the corpus of methods retrieval and auto."),
-    spec_llamacpp: bool = typer.Option(True, "--spec-llamacpp/--no-spec-llamacpp",
+    spec_llamacpp: bool = _flag(True, "--spec-llamacpp/--no-spec-llamacpp",
                                        help="With --spec: also time llama.cpp with its prompt lookup (if installed)."),
     markdown: Path | None = typer.Option(None, "--markdown",
                                          help="With --spec: write the docs/benchmarks.md section here."),
-    parallel: bool = typer.Option(False, "--parallel",
+    parallel: bool = _flag(False, "--parallel",
                                   help="Also run the parallel sampling suites: cost of n = 1,4,8,16 completions "
                                        "with and without prompt sharing, and GSM8K accuracy (see --limit)."),
     parallel_n: str | None = typer.Option(None, "--parallel-n",
@@ -251,7 +257,7 @@ def bench(
                                       help="--server: every request's sampling temperature (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="--server: every request's top_p, with --temperature > 0 "
                                 "(sampled requests also send top_k -1 and min_p 0: one distribution on every server)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+    ignore_eos: bool = _flag(False, "--ignore-eos",
                                     help="--server: every request generates exactly --max-tokens (ignore_eos, "
                                          "which loom, vLLM and llama-server take), the same work on every server."),
 ) -> None:
@@ -390,7 +396,7 @@ def serve(
                                                help="Bytes for the KV cache (default: a share of free RAM)."),
     num_blocks: int | None = typer.Option(None, min=1, help="KV blocks (overrides --kv-cache-memory)."),
     block_size: int | None = typer.Option(None, min=1, help="Tokens per KV block."),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+    prefix_caching: bool = _flag(True, "--prefix-caching/--no-prefix-caching",
                                         help="Reuse the KV of shared prompt prefixes."),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
                                               help="KV cache: auto (float16 on loom's kernels, float32 in the "
@@ -409,17 +415,18 @@ def serve(
                                       "itself (a base model without one then takes chat requests)."),
     max_body_bytes: int = typer.Option(2 << 20, min=1, help="Largest request body in bytes (larger: 413)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
-    access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Log one line per request."),
+    access_log: bool = _flag(True, "--access-log/--no-access-log", help="Log one line per request."),
     allowed_origins: str = typer.Option("*", help="Origins whose browser pages may call the API (CORS), "
                                                   "comma-separated; '*' every origin, '' none."),
-    allow_credentials: bool = typer.Option(False, "--allow-credentials",
+    allow_credentials: bool = _flag(False, "--allow-credentials",
                                            help="Let cross-origin pages send cookies and credentials."),
-    engine_process: bool = typer.Option(True, "--engine-process/--no-engine-process",
+    engine_process: bool = _flag(True, "--engine-process/--no-engine-process",
                                         help="Run the engine in its own process (the HTTP front end in this "
                                              "one); --no-engine-process keeps it on a thread here."),
-    engine_restarts: int = typer.Option(3, "--engine-restarts", min=0,
-                                        help="Start a new engine process when it dies, at most N times in 10 "
-                                             "minutes (0: never; the server then answers 503 until restarted)."),
+    engine_restarts: int | None = typer.Option(None, "--engine-restarts", min=0,
+                                               help="Start a new engine process when it dies, at most N times in "
+                                                    "10 minutes (default 3; 0: never; the server then answers 503 "
+                                                    "until restarted)."),
     replicas: int | None = typer.Option(
         None, "--replicas", help="Serve with N engine replicas on Ray Serve behind this endpoint (threads per "
                                  "replica: --threads, default cores / N); see docs/cluster.md."),
@@ -433,9 +440,9 @@ def serve(
     autoscaling_config: str | None = typer.Option(
         None, "--autoscaling-config", help="Ray Serve autoscaling: further autoscaling_config keys as JSON, e.g. "
                                            "'{\"upscale_delay_s\": 5}'."),
-    router: str = typer.Option("prefix-aware", "--router",
-                               help="With --replicas: prefix-aware (longest cached prompt prefix when loads are "
-                                    "balanced) or power-of-two (Ray Serve's default)."),
+    router: str | None = typer.Option(None, "--router",
+                                      help="With --replicas: prefix-aware (the default: longest cached prompt "
+                                           "prefix when loads are balanced) or power-of-two (Ray Serve's default)."),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a web playground at /."""
     from loom.config import EngineConfig
@@ -445,6 +452,11 @@ def serve(
                                  param_hint="--log-level")
     cluster = _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas,
                                target_ongoing_requests, router, _json_option(autoscaling_config, "--autoscaling-config"))
+    if cluster is None and router is not None:   # options of another mode are refused, never ignored
+        raise typer.BadParameter("applies with --replicas (a cluster's router)", param_hint="--router")
+    if engine_restarts is not None and (not engine_process or cluster is not None):
+        raise typer.BadParameter("applies to a server whose engine runs in its own process (not with "
+                                 "--no-engine-process or --replicas)", param_hint="--engine-restarts")
     if cluster is not None:
         threads = cluster.threads
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
@@ -520,11 +532,12 @@ def _start_engine_fork_server() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _serve_here(config, engine_process: bool, front: dict[str, Any], engine_restarts: int) -> None:
+def _serve_here(config, engine_process: bool, front: dict[str, Any], engine_restarts: int | None) -> None:
     """One server on this machine (the engine's fork server already started, see above)."""
     from loom.server.serve import run_server
 
-    run_server(config, engine_process=engine_process, engine_restarts=engine_restarts, **front)
+    restarts = {} if engine_restarts is None else {"engine_restarts": engine_restarts}   # None: run_server's default
+    run_server(config, engine_process=engine_process, **restarts, **front)
 
 
 def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas, target_ongoing_requests, router,
@@ -540,7 +553,8 @@ def _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas,
     count = replicas if replicas is not None else 1
     threads = threads if threads is not None else max(1, physical_cores() // max(1, count))
     cluster = ClusterConfig(replicas=count, threads=threads, ray_address=ray_address, min_replicas=min_replicas,
-                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests, router=router,
+                            max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
+                            router=router or "prefix-aware",
                             autoscaling_extra=_autoscaling_extra(autoscaling_extra))
     cluster.check_before_ray()
     return cluster
@@ -586,9 +600,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most probable tokens (0: all)."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the request's sampler (reproducible output)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
+    chat: bool = _flag(False, "--chat", help="Wrap the prompt as a user message in the model's chat template."),
     threads: int | None = typer.Option(None, "--threads", "-t", help="CPU threads (default: physical cores)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
+    ignore_eos: bool = _flag(False, "--ignore-eos", help="Keep generating past end-of-sequence."),
     speculative_config: str | None = typer.Option(None, "--speculative-config", help=SPEC_CONFIG_HELP),
     spec_datastore: str | None = typer.Option(None, "--spec-datastore", metavar="PATH", help=SPEC_DATASTORE_HELP),
     kv_cache_dtype: str | None = typer.Option(None, "--kv-cache-dtype",
@@ -615,6 +629,9 @@ def generate(
     if template is not None:
         engine.tokenizer.set_chat_template(template)
     if chat:
+        if engine.tokenizer.chat_template is None:
+            raise LoomError(f"model '{model}' has no chat template (a base model): drop --chat to continue the "
+                            "prompt as text, or give one with --chat-template")
         messages = [{"role": "user", "content": prompt}]
         request = {"prompt": engine.tokenizer.apply_chat_template(messages),
                    "prompt_token_ids": engine.tokenizer.encode_chat(messages)}
@@ -662,7 +679,7 @@ def eval_(
     kv_eviction: str | None = typer.Option(
         None, "--kv-eviction", help='Score with KV eviction, as JSON (e.g. \'{"policy": "streaming", "budget": 512}\'); '
                                     'snapkv compresses each window\'s first context - stride tokens.'),
-    kld: bool = typer.Option(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
+    kld: bool = _flag(False, "--kld", help="Also compare with a reference: KL divergence, top-token "
                                                   "agreement, probability shift."),
     base: Path | None = typer.Option(None, "--base", help="Reference saved with --save-base (implies --kld; "
                                                           "default reference: loom float32, computed alongside)."),

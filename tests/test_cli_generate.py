@@ -110,6 +110,7 @@ def test_generate_chat_without_a_template_is_a_one_line_error(tiny_gemma3_path):
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "no chat template" in lines[0]
+    assert "drop --chat" in lines[0] and "--chat-template" in lines[0]
     assert "Traceback" not in res.stderr
 
 
@@ -199,3 +200,12 @@ def test_version_and_the_short_thread_option():
     assert r.returncode == 0 and r.stdout.strip().startswith("loom ")
     for command in ("generate", "eval", "serve", "bench"):
         assert "-t" in loom_cli(command, "--help").stdout.split("--threads", 1)[1].split("\n", 1)[0]
+
+
+def test_serve_refuses_options_of_another_mode(tiny_llama_path):
+    """--router needs --replicas, --engine-restarts an engine process of its own: given
+    elsewhere they are refused before the model loads, never silently ignored."""
+    for extra, option in ((["--router", "power-of-two"], "--router"),
+                          (["--no-engine-process", "--engine-restarts", "2"], "--engine-restarts")):
+        res = loom_cli("serve", str(tiny_llama_path), "--port", "0", *extra)
+        assert res.returncode == 2 and option in res.stderr and "Traceback" not in res.stderr, res.stderr
