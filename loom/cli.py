@@ -172,7 +172,8 @@ SPEC_DATASTORE_HELP = ("A corpus the retrieval drafter copies from: a text file 
                        "the corpus to that method.")
 
 
-@app.command()
+@app.command(short_help="Measure loom against its peers on the same machine (speed, throughput, latency, RSS, "
+                        "load time); with --server, load-test a server.")
 def bench(
     ctx: typer.Context,
     model: str = typer.Option(registry.DEFAULT_MODEL, "--model", "-m", help="Registry model name or GGUF path."),
@@ -662,7 +663,8 @@ def _stream(engine, stream) -> None:
     stream.flush()
 
 
-@app.command(name="eval")
+@app.command(name="eval", short_help="Perplexity of a text file; with --kld, the KL divergence from a "
+                                      "reference run.")
 def eval_(
     model: str = typer.Argument(registry.DEFAULT_MODEL, help="Registry model name or path to a .gguf file."),
     file: Path = typer.Option(..., "--file", "-f", help="Text file to score (UTF-8)."),
