@@ -204,6 +204,9 @@ class SamplingParams:
         Not with prompt_logprobs (their context would be cut) or n > 1 / best_of.
     detokenize: False leaves the outputs' text empty and their logprobs' decoded tokens None
         (token ids only, as vLLM's); not with stop strings, which are matched in the text.
+    cache_salt: a string mixed into the prefix cache's block hashes (vLLM's): the request shares
+        cached KV only with requests of the same salt, so users of a shared server cannot learn
+        from its timing whether another one sent a prompt (use a long random salt per tenant).
     strict_max_tokens: True refuses a max_tokens larger than the room the prompt leaves in the
         context (ContextLengthError, as vLLM's server refuses it); False (the default, as vLLM's
         offline engine) cuts it to that room, and the output ends with finish_reason "length".
@@ -238,6 +241,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     kv_eviction: KVEvictionParams | None = None
     detokenize: bool = True
+    cache_salt: str | None = None
     strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
@@ -295,6 +299,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
                      "strict_max_tokens"):
             _flag(name, getattr(self, name))
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise _fail("cache_salt", self.cache_salt, "a non-empty string")
         if not self.detokenize and self.stop:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the output's text")
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)

@@ -115,6 +115,21 @@ def test_prompt_is_prefilled_in_chunks_then_decoded():
     assert s.stats.prompt_tokens == s.stats.prompt_tokens_computed == 10 and s.stats.generation_tokens == 2
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: the salt goes into the blocks' hashes, so a prompt cached under one
+    salt (or none) is no hit for another, and is one for the same salt."""
+    s, runner = make_scheduler(budget=64, prefix_caching=True), FakeRunner()
+    shared = list(range(100, 116))   # two full blocks of 8
+    cached = {}
+    for rid, salt in (("plain", None), ("a1", "tenant-a"), ("b1", "tenant-b"), ("a2", "tenant-a"), ("plain2", None)):
+        s.add(make_request(rid, 0, max_tokens=2, prompt=shared + [1], cache_salt=salt))
+        step(s, runner)
+        cached[rid] = s.requests[rid].num_cached_tokens
+    assert cached == {"plain": 0, "a1": 0, "b1": 0, "a2": 16, "plain2": 16}
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_decodes_are_granted_before_prefill_chunks():
     s, runner = make_scheduler(budget=4), FakeRunner()
     s.add(make_request("a", 3, max_tokens=10))

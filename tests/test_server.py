@@ -570,6 +570,13 @@ def test_vllm_request_fields_and_older_names(tiny: LoomServer) -> None:
             "cache_prompt": True}
     assert httpx.post(f"{tiny.url}{COMPLETIONS}", json=noop, timeout=60).status_code == 200
 
+    def cached(salt: str) -> int:   # vLLM's cache_salt: cached KV is shared only under the same salt
+        body = {"prompt": "salted prompt " * 20, "max_tokens": 1, "cache_salt": salt}
+        usage = httpx.post(f"{tiny.url}{COMPLETIONS}", json=body, timeout=60).json()["usage"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    assert [cached("tenant-a"), cached("tenant-b"), cached("tenant-a")][:2] == [0, 0] and cached("tenant-a") > 0
+
 
 def test_answers_carry_a_request_id(tiny: LoomServer) -> None:
     raw = client(tiny).completions.with_raw_response.create(model="tiny-llama", prompt="hi", max_tokens=2)

@@ -234,7 +234,8 @@ class Scheduler:
         for req in self.waiting:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hit = self.kv.find_prefix(req.request_id, req.all_token_ids)
+            salt = req.params.cache_salt   # a salted request shares cached blocks only with the same salt
+            hit = self.kv.find_prefix(req.request_id, req.all_token_ids, None if salt is None else ("salt", salt))
             if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
                 hit = PrefixHit([], 0)   # every prompt position's logits are needed: compute it all
             elif req.eviction is not None:

@@ -428,7 +428,7 @@ class OpenAIServing:
             bad_words=body.bad_words, truncate_prompt_tokens=body.truncate_prompt_tokens,
             prediction=None if body.prediction is None else body.prediction.text,
             kv_eviction=None if body.kv_eviction is None else body.kv_eviction.model_dump(exclude_none=True),
-            strict_max_tokens=strict and max_tokens is not None)
+            cache_salt=body.cache_salt, strict_max_tokens=strict and max_tokens is not None)
 
     # -- running a group ---------------------------------------------------------------------
     async def collect(self, group: ChoiceGroup, request: Request) -> list[RequestOutput]:

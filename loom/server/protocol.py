@@ -257,6 +257,8 @@ class SamplingFields(_Request):
     request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
         None, description="Extension (vLLM): the answer's id is cmpl-<request_id> / chatcmpl-<request_id> (an "
                           "X-Request-Id header takes precedence, as in vLLM).")
+    cache_salt: NonEmptyStr | None = Field(None, description="Extension (vLLM): mixed into the prefix cache's "
+                                                              "hashes; requests share cached KV only with the same salt.")
     use_beam_search: Literal[False] | None = Field(None, description="Extension (vLLM): false only; beam search "
                                                                      "is offline (LLM.beam_search).")
     spaces_between_special_tokens: bool | None = Field(
