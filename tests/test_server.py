@@ -578,6 +578,26 @@ def test_vllm_request_fields_and_older_names(tiny: LoomServer) -> None:
     assert [cached("tenant-a"), cached("tenant-b"), cached("tenant-a")][:2] == [0, 0] and cached("tenant-a") > 0
 
 
+def test_return_token_ids_streamed_or_not(tiny: LoomServer) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's; streamed, the prompt's in the
+    first chunk and each chunk's new ids, which join to the answer's."""
+    for path, body in ((COMPLETIONS, {"prompt": "count to ten:"}),
+                       (CHAT, {"messages": [{"role": "user", "content": "count to ten"}]})):
+        body = {**body, "max_tokens": 8, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+        whole = httpx.post(f"{tiny.url}{path}", json=body, timeout=60).json()
+        choice = whole["choices"][0]
+        prompt_ids = choice["prompt_token_ids"] if path == COMPLETIONS else whole["prompt_token_ids"]
+        assert len(choice["token_ids"]) == 8 and len(prompt_ids) == whole["usage"]["prompt_tokens"]
+        with httpx.stream("POST", f"{tiny.url}{path}", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        firsts = [c["choices"][0].get("prompt_token_ids") if path == COMPLETIONS else c.get("prompt_token_ids")
+                  for c in chunks]
+        assert firsts[0] == prompt_ids and not any(firsts[1:])
+        assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == choice["token_ids"]
+    plain = httpx.post(f"{tiny.url}{COMPLETIONS}", json={"prompt": "hi", "max_tokens": 2}, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
 def test_answers_carry_a_request_id(tiny: LoomServer) -> None:
     raw = client(tiny).completions.with_raw_response.create(model="tiny-llama", prompt="hi", max_tokens=2)
     assert raw.headers["x-request-id"].startswith("req_") and raw.request_id == raw.headers["x-request-id"]

@@ -549,9 +549,12 @@ class OpenAIServing:
                 lp = completion_logprobs(lps, ids, body.logprobs, spelling, TextCursor(len(echo)), as_ids)
                 if body.echo:
                     lp = _with_prompt_logprobs(out, body.logprobs, lp, echo, spelling, as_ids)
+            rt = body.return_token_ids
             choices.append(CompletionChoice(index=index, text=echo + text, logprobs=lp,
                                             prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids),
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_token_ids=list(out.prompt_token_ids) if rt else None,
+                                            token_ids=list(ids) if rt else None))
         return CompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
                                   loom=extension)
 
@@ -611,6 +614,7 @@ class OpenAIServing:
         # without streaming counts them, not the text sent, which a stop string holds back)
         cursors = [TextCursor() for _ in range(group.size)]
         echo_pending = [bool(echoes)] * group.size
+        unopened = [True] * group.size   # no chunk of the choice sent yet (return_token_ids: the prompt's ids)
         as_ids = body.return_tokens_as_token_ids
         spelling = self.spelling.skipping(body.skip_special_tokens)
 
@@ -632,17 +636,21 @@ class OpenAIServing:
                 if first and body.echo:
                     lp = _with_prompt_logprobs(out, body.logprobs, lp, prefix, spelling, as_ids)
             tokens_sent[index] = len(c.token_ids)
-            if not text and lp is None and not out.finished:
+            rt, opening = body.return_token_ids, unopened[index]
+            if not text and lp is None and not out.finished and not (rt and (new_ids or opening)):
                 return None
-            echo_pending[index] = False
+            echo_pending[index] = unopened[index] = False
             return CompletionChoice(index=index, text=text, logprobs=lp,
                                     prompt_logprobs=_prompt_logprobs_field(out, body.prompt_logprobs, as_ids)
                                     if first else None,
                                     finish_reason=c.finish_reason if out.finished else None,
-                                    stop_reason=c.stop_reason if out.finished else None)
+                                    stop_reason=c.stop_reason if out.finished else None,
+                                    prompt_token_ids=list(out.prompt_token_ids) if rt and opening else None,
+                                    token_ids=new_ids if rt else None)
 
         plain = None
-        if body.logprobs is None and body.prompt_logprobs is None and not echoes and not score_only:
+        if (body.logprobs is None and body.prompt_logprobs is None and not echoes and not score_only
+                and not body.return_token_ids):
             plain = PlainChunks({"id": rid, "object": "text_completion", "created": created, "model": self.model},
                                 "text", usage_null=include_usage == FINAL_USAGE)
         return self._stream(group, body.n, include_usage, dump, choice_of, prediction=_prediction(body),
@@ -677,7 +685,8 @@ class OpenAIServing:
                         fanout=plan.fanout if plan else None)
         if body.stream:
             include_usage = _usage_mode(body.stream_options)
-            events = self._chat_events(group, body, rid, created, top_k, include_usage, tools)
+            events = self._chat_events(group, body, rid, created, top_k, include_usage, tools,
+                                       prompt["prompt_token_ids"] if body.return_token_ids else None)
             return await self.open_stream(group, request, events if translate is None else translate(events))
         finals = await self.collect(group, request)
         usage, extension = self.usage(finals, body.n, _prediction(body)), None
@@ -690,8 +699,10 @@ class OpenAIServing:
             content, calls, finish = tools.message(c.text, c.finish_reason)
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish,
-                                      stop_reason=c.stop_reason))
+                                      stop_reason=c.stop_reason,
+                                      token_ids=list(c.token_ids) if body.return_token_ids else None))
         return ChatCompletionResponse(id=rid, created=created, model=self.model, choices=choices, usage=usage,
+                                      prompt_token_ids=prompt["prompt_token_ids"] if body.return_token_ids else None,
                                       loom=extension)
 
     async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan) -> dict[str, Any]:
@@ -710,12 +721,17 @@ class OpenAIServing:
         return {"prompt_token_ids": ids}
 
     def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
-                     top_k: int | None, include_usage: str | None, tools: ToolPlan) -> AsyncIterator[str]:
+                     top_k: int | None, include_usage: str | None, tools: ToolPlan,
+                     prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
+        """`prompt_ids`: with return_token_ids, the prompt's ids, sent in each choice's opening
+        chunk (each chunk then carries its new token ids)."""
         tokens_sent = [0] * group.size
+        ids_sent = [0] * group.size
 
         def dump(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> dict[str, Any]:
+            opening = prompt_ids is not None and choices and choices[0].delta.role is not None
             return chat_chunk_dict(ChatCompletionChunk(id=rid, created=created, model=self.model, choices=choices,
-                                                       usage=usage))
+                                                       usage=usage, prompt_token_ids=prompt_ids if opening else None))
 
         calls = [CallStream() for _ in range(group.size)] if tools.streams_calls else None
         autos = [AutoStream(tools) for _ in range(group.size)] if tools.active and calls is None else None
@@ -730,6 +746,13 @@ class OpenAIServing:
                                  body.return_tokens_as_token_ids)
 
         def choice_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
+            choice = chunk_of(index, out)
+            if choice is not None and prompt_ids is not None:   # return_token_ids: the ids since the last chunk
+                ids = out.outputs[0].token_ids
+                choice.token_ids, ids_sent[index] = list(ids[ids_sent[index]:]), len(ids)
+            return choice
+
+        def chunk_of(index: int, out: RequestOutput) -> ChatChunkChoice | None:
             c = out.outputs[0]
             if calls is not None:   # forced calls: id and name, then the arguments' fragments
                 return _call_chunk(index, out, tools, calls[index], lambda: logprobs_of(index, c))
@@ -746,7 +769,7 @@ class OpenAIServing:
         roles = [[ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]
                  for i in range(group.size)]
         plain = None
-        if calls is None and autos is None and top_k is None:
+        if calls is None and autos is None and top_k is None and prompt_ids is None:
             plain = PlainChunks({"id": rid, "object": "chat.completion.chunk", "created": created,
                                  "model": self.model}, "delta", usage_null=include_usage == FINAL_USAGE)
         return self._stream(group, body.n, include_usage, dump, choice_of, roles, _prediction(body),

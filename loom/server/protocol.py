@@ -283,6 +283,9 @@ class SamplingFields(_Request):
                           "holds.")
     return_tokens_as_token_ids: bool = Field(False, description="Extension (vLLM): logprobs name each token "
                                                                  "'token_id:<id>' instead of its text.")
+    return_token_ids: bool = Field(False, description="Extension (vLLM): the answer carries `prompt_token_ids` and "
+                                                      "each choice its `token_ids` (streamed: the prompt's in the "
+                                                      "first chunk, each chunk's new tokens).")
     priority: Priority = Field(0, description="Extension: lower values are scheduled first.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     min_tokens: Count = Field(0, description="Extension: no stop before this many tokens.")
@@ -342,6 +345,9 @@ class CompletionChoice(_Response):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, exclude_if=_unset)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = Field(None, description="Extension: the stop string or token id that ended it.")
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_unset, description="Extension (vLLM): with "
+                                                                                  "return_token_ids.")
+    token_ids: list[int] | None = Field(None, exclude_if=_unset, description="Extension (vLLM): with return_token_ids.")
 
 
 class PromptTokensDetails(_Response):
@@ -536,6 +542,7 @@ class ChatChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = Field(None, description="Extension: the stop string or token id that ended it.")
+    token_ids: list[int] | None = Field(None, exclude_if=_unset, description="Extension (vLLM): with return_token_ids.")
 
 
 class ChatCompletionResponse(_Response):
@@ -545,6 +552,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_unset, description="Extension (vLLM): with "
+                                                                                  "return_token_ids.")
     loom: LoomResponse | None = Field(None, exclude_if=_unset, description="Extension: aggregation results.")
 
 
@@ -574,6 +583,8 @@ class ChatChunkChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_unset, description="Extension (vLLM): the chunk's new "
+                                                                           "tokens, with return_token_ids.")
 
 
 class ChatCompletionChunk(_Response):
@@ -585,6 +596,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_unset, description="Extension (vLLM): the first "
+                                                                                  "chunk's, with return_token_ids.")
 
 
 # -- models, health, stats ------------------------------------------------------------------------
