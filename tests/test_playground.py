@@ -114,3 +114,64 @@ def test_a_model_without_a_chat_template_gets_completion_mode(server_pool, brows
     last = wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2 and
                       d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1])
     wait.until(lambda d: last.get_attribute("data-state") != "streaming", message="the answer never finished")
+
+
+def test_clear_settings_and_failed_turns(server_pool, browser) -> None:
+    """Clear during an answer leaves nothing of that conversation for the next request; a
+    setting out of its range is refused with a message (the text stays to send); a turn whose
+    answer failed is marked unsent, left out, and offered again; Enter that confirms an input
+    method's candidate sends nothing."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = server_pool.get("real")
+    browser.get(f"{server.url}/")
+    wait = WebDriverWait(browser, 90, poll_frequency=0.05)
+    wait.until(lambda d: "smollm2-135m" in d.find_element(By.ID, "model-name").text)
+    browser.execute_script("window.sent = []; const f = window.fetch; window.fetch = (u, o) => "
+                           "{ if (o && o.body) window.sent.push(JSON.parse(o.body)); return f(u, o); };")
+
+    def setting(field: str, value: str) -> None:
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+
+    def send(text: str) -> None:
+        browser.find_element(By.ID, "prompt").send_keys(text)
+        browser.find_element(By.ID, "send").click()
+
+    setting("max-tokens", "400")
+    send("Tell me a long story about a cat.")
+    wait.until(lambda d: any(m.text.strip() for m in d.find_elements(By.CSS_SELECTOR, ".msg.assistant")))
+    browser.find_element(By.ID, "clear").click()
+    wait.until(lambda d: not d.find_element(By.ID, "stop").is_enabled())
+    setting("max-tokens", "3")
+    send("fresh start")
+    wait.until(lambda d: len(d.execute_script("return window.sent")) == 2)
+    assert browser.execute_script("return window.sent[1].messages") == [{"role": "user", "content": "fresh start"}]
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].get_attribute("data-state") == "done")
+
+    setting("max-tokens", "-5")
+    send("not yet")
+    assert "Max tokens" in browser.find_element(By.ID, "status").text
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "not yet"
+    assert len(browser.execute_script("return window.sent")) == 2
+    browser.find_element(By.ID, "prompt").clear()
+
+    setting("max-tokens", "8190")   # more than the context leaves: the server's 400
+    send("My name is Zed.")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.user.unsent"))
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "My name is Zed."
+    assert "too large" in browser.find_element(By.ID, "status").text
+    browser.find_element(By.ID, "prompt").clear()
+    setting("max-tokens", "3")
+    send("What is my name?")
+    wait.until(lambda d: len(d.execute_script("return window.sent")) == 4)
+    messages = browser.execute_script("return window.sent[3].messages")
+    assert "My name is Zed." not in [m["content"] for m in messages] and messages[-1]["content"] == "What is my name?"
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].get_attribute("data-state") == "done")
+
+    browser.find_element(By.ID, "prompt").send_keys("にほんご")
+    browser.execute_script("document.getElementById('prompt').dispatchEvent(new KeyboardEvent('keydown', "
+                           "{key: 'Enter', keyCode: 229, isComposing: true, bubbles: true}))")
+    assert len(browser.execute_script("return window.sent")) == 4

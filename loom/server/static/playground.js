@@ -15,6 +15,7 @@
   const KEY_STORAGE = "loom.apiKey";  // sessionStorage: forgotten when the tab closes
 
   const history = [];       // {role, content} of completed turns
+  let conversation = 0;     // bumped by Clear: an answer of an earlier conversation adds nothing to this one
   let controller = null;    // AbortController of the answer streaming now, if any
   let modelName = null;
   let completionMode = false;   // no chat template: continue the text over /v1/completions
@@ -32,12 +33,20 @@
     el.classList.toggle("error", isError);
   }
 
+  // Follows new text only where the reader is at the end already (one who scrolled up to
+  // re-read stays where they are).
+  function atEnd() {
+    const page = document.scrollingElement || document.documentElement;
+    return page.scrollHeight - page.scrollTop - page.clientHeight < 80;
+  }
+
   function addMessage(role, text) {
+    const follow = atEnd();
     const el = document.createElement("div");
     el.className = `msg ${role}`;
     el.textContent = text;
     $("messages").appendChild(el);
-    el.scrollIntoView({ block: "end" });
+    if (follow) el.scrollIntoView({ block: "end" });
     return el;
   }
 
@@ -49,6 +58,10 @@
   }
 
   async function errorMessage(response) {
+    if (response.status === 401) {
+      return $("api-key").value.trim() ? "the API key is not this server's: correct it in the API key field"
+        : "this server needs its API key (--api-key): enter it in the API key field";
+    }
     try {
       const body = await response.json();
       if (body && body.error && body.error.message) return body.error.message;
@@ -56,15 +69,17 @@
     return `HTTP ${response.status} ${response.statusText}`;
   }
 
-  // Splits an SSE byte stream into the JSON payloads of its "data:" lines; "[DONE]" ends it.
+  // Splits an SSE byte stream into the JSON payloads of its "data:" lines; "[DONE]" ends it
+  // (a stream that closes before it was cut off: an error). Lines may end in \r\n, \n or \r,
+  // as the event-stream format allows (a proxy may rewrite them).
   async function* sseEvents(body) {
     const reader = body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
     for (;;) {
       const { value, done } = await reader.read();
-      if (done) return;
-      buffer += decoder.decode(value, { stream: true });
+      if (done) throw new Error("the answer's stream ended before it was complete");
+      buffer = (buffer + decoder.decode(value, { stream: true })).replace(/\r\n?/g, "\n");
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
         const block = buffer.slice(0, end);
@@ -79,9 +94,20 @@
     }
   }
 
-  function numberOr(id, fallback) {
-    const v = parseFloat($(id).value);
-    return Number.isFinite(v) ? v : fallback;
+  // A settings field's number: its default when empty; anything else that is not a number in
+  // the field's min/max range is refused with a message naming it (never replaced silently).
+  function setting(id, fallback, integer = false) {
+    const field = $(id);
+    const raw = field.value.trim();
+    if (raw === "" && !field.validity.badInput) return fallback;
+    const v = Number(raw);
+    const min = field.min === "" ? -Infinity : Number(field.min);
+    const max = field.max === "" ? Infinity : Number(field.max);
+    if (field.validity.badInput || !Number.isFinite(v) || v < min || v > max || (integer && !Number.isInteger(v))) {
+      const range = `${Number.isFinite(min) ? min : "…"} to ${Number.isFinite(max) ? max : "…"}`;
+      throw new Error(`${field.labels[0] ? field.labels[0].textContent.trim() : id}: give ${integer ? "a whole number" : "a number"} from ${range} (got "${raw}")`);
+    }
+    return v;
   }
 
   async function send() {
@@ -89,22 +115,29 @@
     const typed = $("prompt").value;
     const text = completionMode ? typed : typed.trim();
     if (!typed.trim() || controller) return;
+    let body;
+    try {
+      body = {
+        stream: true,
+        stream_options: { include_usage: true },
+        max_tokens: setting("max-tokens", 256, true),
+        temperature: setting("temperature", 0.7),
+        top_p: setting("top-p", 1),
+      };
+    } catch (err) {   // the message stays in the box, to send once the setting is fixed
+      setStatus(err.message, true);
+      return;
+    }
     $("prompt").value = "";
-    addMessage("user", text);
+    const asked = addMessage("user", text);
     const turn = { role: "user", content: text };
+    const mine = conversation;
 
     const messages = [];
     const system = $("system").value.trim();
     if (system) messages.push({ role: "system", content: system });
     messages.push(...history, turn);
 
-    const body = {
-      stream: true,
-      stream_options: { include_usage: true },
-      max_tokens: Math.max(1, Math.round(numberOr("max-tokens", 256))),
-      temperature: numberOr("temperature", 0.7),
-      top_p: numberOr("top-p", 1),
-    };
     if (completionMode) {
       body.prompt = (system ? `${system}\n\n` : "") + [...history, turn].map((m) => m.content).join("");
       body.logprobs = 0;    // one logprob entry per token: exact live token counts
@@ -124,6 +157,8 @@
     $("stop").disabled = false;
     setStatus("generating…");
 
+    for (const id of ["stat-ttft", "stat-tps"]) $(id).textContent = "–";
+    $("stat-answer-tokens").textContent = "0";
     const started = performance.now();
     let firstAt = null;
     let tokens = 0;
@@ -155,30 +190,36 @@
           }
           tokens += count;
           if (content) {
+            const follow = atEnd();
             answer += content;
             textNode.data = answer;
-            bubble.scrollIntoView({ block: "end" });
+            if (follow) bubble.scrollIntoView({ block: "end" });
           }
           if (choice.finish_reason) finish = choice.finish_reason;
         }
         showRate();
       }
       bubble.dataset.state = "done";
-      history.push(turn, { role: "assistant", content: answer });
+      if (mine === conversation) history.push(turn, { role: "assistant", content: answer });
       const seconds = (performance.now() - started) / 1000;
-      addMeta(bubble, `${tokens} tokens in ${seconds.toFixed(1)} s · ${finish || "done"}`);
+      addMeta(bubble, `${tokens} ${tokens === 1 ? "token" : "tokens"} in ${seconds.toFixed(1)} s · ${finish || "done"}`);
       setStatus("");
     } catch (err) {
       const stopped = err.name === "AbortError";
       bubble.dataset.state = stopped ? "stopped" : "error";
       if (stopped) {
-        if (answer) history.push(turn, { role: "assistant", content: answer });
+        if (answer && mine === conversation) history.push(turn, { role: "assistant", content: answer });
         addMeta(bubble, "stopped");
-        setStatus("stopped");
+        if (mine === conversation) setStatus("stopped");
       } else {
         bubble.classList.add("error");
         textNode.data = answer ? `${answer}\n` : "";
         addMeta(bubble, `error: ${err.message}`);
+        if (!answer) {   // nothing answered: the message is not part of the conversation; it is offered again
+          asked.classList.add("unsent");
+          addMeta(asked, "not sent: the answer failed");
+          if (!$("prompt").value) $("prompt").value = typed;
+        }
         setStatus(err.message, true);
       }
     } finally {
@@ -189,9 +230,13 @@
     }
   }
 
+  let statsFailed = false;
+  let statsTimer = null;
+  let keyMissing = false;   // a 401: poll seldom until the key changes (not a refused request a second)
   async function pollStats() {
     try {
       const response = await fetch("/v1/loom/stats", { headers: authHeaders() });
+      keyMissing = response.status === 401;
       if (!response.ok) throw new Error(await errorMessage(response));
       const s = await response.json();
       $("stat-running").textContent = String(s.num_requests_running);
@@ -200,31 +245,43 @@
       $("stat-generated").textContent = String(s.generation_tokens);
       $("stat-prefix").textContent = s.prefix_cache_queries
         ? `${((100 * s.prefix_cache_hits) / s.prefix_cache_queries).toFixed(1)} %` : "–";
-      if (!modelName) {
+      // written on every answer: the header recovers after an error, and a server that came back
+      // with another model (or the same one) is followed, its chat or completion mode checked again
+      $("model-name").textContent = `${s.model} · context ${s.max_model_len} tokens`;
+      if (modelName !== s.model || statsFailed) {
         modelName = s.model;
-        $("model-name").textContent = `${s.model} · context ${s.max_model_len} tokens`;
+        detectMode();
       }
+      statsFailed = false;
     } catch (err) {
+      statsFailed = true;
       $("model-name").textContent = `stats unavailable: ${err.message}`;
     } finally {
-      setTimeout(pollStats, STATS_INTERVAL_MS);
+      statsTimer = setTimeout(pollStats, keyMissing ? 10 * STATS_INTERVAL_MS : STATS_INTERVAL_MS);
     }
   }
 
   $("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
   $("prompt").addEventListener("keydown", (e) => {
+    if (e.isComposing || e.keyCode === 229) return;   // Enter confirming an input method's candidate
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
   });
   $("stop").addEventListener("click", () => { if (controller) controller.abort(); });
   $("clear").addEventListener("click", () => {
+    conversation += 1;   // the answer being stopped belongs to the conversation cleared
     if (controller) controller.abort();
     history.length = 0;
     $("messages").replaceChildren();
+    for (const id of ["stat-ttft", "stat-tps"]) $(id).textContent = "–";
+    $("stat-answer-tokens").textContent = "0";
+    setStatus("");
   });
   $("api-key").value = sessionStorage.getItem(KEY_STORAGE) || "";
   $("api-key").addEventListener("change", () => {
     sessionStorage.setItem(KEY_STORAGE, $("api-key").value.trim());
     detectMode();
+    clearTimeout(statsTimer);
+    pollStats();
   });
 
   // A model without a chat template: completion mode (see the top of this file).
@@ -233,9 +290,12 @@
       const response = await fetch("/tokenizer_info", { headers: authHeaders() });
       if (!response.ok) return;
       const info = await response.json();
+      const was = completionMode;
       completionMode = info.chat_template === null || info.chat_template === undefined;
-      if (completionMode) {
+      if (completionMode && !was) {
         setStatus("this model has no chat template: the playground continues your text (/v1/completions)");
+      } else if (was && !completionMode) {
+        setStatus("this model has a chat template: the playground chats (/v1/chat/completions)");
       }
     } catch (_) { /* keep chat mode */ }
   }
