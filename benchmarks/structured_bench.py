@@ -147,7 +147,7 @@ def prompt_text(llm: LLM, schema: dict) -> str:
     ask = f"Answer with one JSON value that follows this JSON Schema:\n{json.dumps(schema)[:1500]}\n"
     tok = llm.engine.tokenizer
     if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": ask}])
+        return tok.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False)
     return ask + "JSON:"   # a base model without a chat template (Gemma 3 270M)
 
 

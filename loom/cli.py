@@ -634,7 +634,7 @@ def generate(
             raise LoomError(f"model '{model}' has no chat template (a base model): drop --chat to continue the "
                             "prompt as text, or give one with --chat-template")
         messages = [{"role": "user", "content": prompt}]
-        request = {"prompt": engine.tokenizer.apply_chat_template(messages),
+        request = {"prompt": engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                    "prompt_token_ids": engine.tokenizer.encode_chat(messages)}
     else:
         request = prompt

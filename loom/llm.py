@@ -94,7 +94,7 @@ class LLM:
             msgs = with_tools(message_dicts(conv, template), tool_defs, template, variables)
             how = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        chat_template=chat_template, **variables)
-            text = tok.apply_chat_template(msgs, **how)
+            text = tok.apply_chat_template(msgs, tokenize=False, **how)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode_chat(msgs, **how)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -32,7 +32,8 @@ def expected(model: str | Engine, prompt: str, chat: bool = False, **params) -> 
     tok = engine.tokenizer
     if chat:
         messages = [{"role": "user", "content": prompt}]
-        request = {"prompt": tok.apply_chat_template(messages), "prompt_token_ids": tok.encode_chat(messages)}
+        request = {"prompt": tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                   "prompt_token_ids": tok.encode_chat(messages)}
     else:
         request = prompt
     engine.add_request(request, SamplingParams(**params), request_id="r")

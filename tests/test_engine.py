@@ -545,7 +545,7 @@ def test_tokenizer_chat_template_tokenize_and_hf_helpers(tiny_parts):
 
     tok = tiny_parts[2]
     chat = [{"role": "user", "content": "hello"}]
-    assert tok.apply_chat_template(chat, tokenize=True) == tok.encode_chat(chat)
+    assert tok.apply_chat_template(chat, add_generation_prompt=True) == tok.encode_chat(chat)   # ids by default
     assert isinstance(tok.apply_chat_template(chat, tokenize=False), str)
     with pytest.raises(TokenizerError, match="return_dict"):
         tok.apply_chat_template(chat, return_dict=True)

@@ -378,12 +378,13 @@ def test_smollm_digits_split_as_llama_cpp_splits_them(smollm: Tokenizer) -> None
 
 
 def test_smollm_chat_template(smollm: Tokenizer) -> None:
-    assert smollm.apply_chat_template(CHATS[0]) == (
+    assert smollm.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=False) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHello!<|im_end|>\n"
         "<|im_start|>assistant\n")
-    assert smollm.apply_chat_template(CHATS[1], add_generation_prompt=False) == (
+    assert smollm.apply_chat_template(CHATS[1], tokenize=False) == (   # transformers' defaults: no generation prompt
         "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n")
+    assert smollm.apply_chat_template(CHATS[1]) == smollm.encode_chat(CHATS[1], add_generation_prompt=False)
     ids = smollm.encode_chat(CHATS[0])
     assert ids[0] == smollm.token_to_id("<|im_start|>") and ids.count(smollm.token_to_id("<|im_end|>")) == 2
 
@@ -393,22 +394,23 @@ def test_chat_template_matches_transformers(smollm_pair: Pair) -> None:
     tok, ref = smollm_pair.loom, smollm_pair.ref
     for chat in CHATS:
         for gen in (True, False):
-            assert tok.apply_chat_template(chat, add_generation_prompt=gen) == ref.apply_chat_template(
+            assert tok.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == ref.apply_chat_template(
                 chat, tokenize=False, add_generation_prompt=gen)
+            assert tok.apply_chat_template(chat) == list(ref.apply_chat_template(chat, return_dict=False))   # defaults
             want_ids = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=gen, return_dict=False)
             assert tok.encode_chat(chat, add_generation_prompt=gen) == list(want_ids)
         opened = chat + [{"role": "assistant", "content": "Sure, here it is: "}]
-        assert tok.apply_chat_template(opened, add_generation_prompt=False, continue_final_message=True) == (
+        assert tok.apply_chat_template(opened, add_generation_prompt=False, continue_final_message=True,
+                                       tokenize=False) == (
             ref.apply_chat_template(opened, tokenize=False, add_generation_prompt=False, continue_final_message=True))
 
 
 def test_continue_final_message_refusals(tiny_parts) -> None:
     tok = tiny_parts[2]
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
-    assert tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True).endswith(
-        "The answer")
+    assert tok.apply_chat_template(chat, continue_final_message=True, tokenize=False).endswith("The answer")
     with pytest.raises(TokenizerError, match="add_generation_prompt"):
-        tok.apply_chat_template(chat, continue_final_message=True)
+        tok.apply_chat_template(chat, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(TokenizerError, match="final message with text"):
         tok.encode_chat(chat[:1] + [{"role": "assistant", "content": None}], add_generation_prompt=False,
                         continue_final_message=True)

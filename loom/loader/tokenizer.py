@@ -386,12 +386,13 @@ class Tokenizer:
                                                              self.unk_token_id) if i is not None})
 
     # -- chat --------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, *, tokenize: bool = False,
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, *, tokenize: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str | list[int]:
-        """The prompt text for a conversation, rendered by the model's own template (or by
-        `chat_template`, a Jinja template of the same kind); with ``tokenize=True`` its ids, as
-        `encode_chat` gives them. Unlike transformers' method, text is the default.
+        """The ids of a conversation rendered by the model's own template (or by `chat_template`,
+        a Jinja template of the same kind), as `encode_chat` gives them; with ``tokenize=False``
+        its text. The defaults are transformers' (ids, no generation prompt): code written for
+        vLLM's `LLM.get_tokenizer()` gets what it gets there.
 
         `kwargs` become template variables (``tools``, ``documents``, ``enable_thinking``, ...);
         transformers' options that shape a tensor output (``return_dict``, ``padding``, ...) are
@@ -411,7 +412,8 @@ class Tokenizer:
                 raise TokenizerError("continue_final_message continues the final message: it cannot be combined "
                                      "with add_generation_prompt (set add_generation_prompt to false)")
             tagged, final = _tag_final_message(messages)
-            return _cut_at_tag(self.apply_chat_template(tagged, False, chat_template=chat_template, **kwargs), final)
+            return _cut_at_tag(self.apply_chat_template(tagged, False, tokenize=False, chat_template=chat_template,
+                                                        **kwargs), final)
         return self._chat_template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
                                                          special_tokens=self.named_tokens, **kwargs)
 
@@ -441,8 +443,8 @@ class Tokenizer:
                     continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Ids of the rendered conversation; BOS is added only if the model wants one and the
         template did not already write it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **kwargs),
-                          add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, tokenize=False, **kwargs)
+        ids = self.encode(text, add_special_tokens=False)
         if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
