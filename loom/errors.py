@@ -22,8 +22,9 @@ class RegistryError(LoomError):
     """A model name is unknown or its package could not be fetched."""
 
 
-class TokenizerError(LoomError):
-    """The tokenizer or chat template in a model file cannot serve the request."""
+class TokenizerError(LoomError, ValueError):
+    """The tokenizer or chat template in a model file cannot serve the request (a ValueError, as
+    transformers' and vLLM's tokenizers raise for it)."""
 
 
 class InvalidRequestError(LoomError, ValueError):

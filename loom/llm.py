@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
@@ -17,6 +17,14 @@ from loom.parallel.beam import run_beam_search
 from loom.sampling_params import BeamSearchParams, SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8  # shorter batches finish before a bar is worth drawing
+_GENERATION_ONLY = ("LLM.{} is vLLM's API for pooling (embedding, classification, reward) models; loom runs "
+                    "generative models only")
+
+
+def _no_lora(lora_request) -> None:
+    """vLLM's lora_request: None is fine (code passes it always); an adapter is refused by name."""
+    if lora_request is not None:
+        raise InvalidRequestError("lora_request: loom does not serve LoRA adapters (merge one into the GGUF file)")
 
 
 class LLM:
@@ -40,16 +48,34 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a request without its own gets (vLLM's; GGUF files carry no
+        generation config, so these are SamplingParams' defaults)."""
+        return SamplingParams()
+
     def generate(self, prompts: str | Sequence | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, prompt_token_ids: Sequence[Sequence[int]] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True, prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 priority: Sequence[int] | None = None, *, lora_request=None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`use_tqdm`: a progress bar (on stderr) for 8 prompts or more; a callable is called as
+        vLLM calls it, as tqdm's constructor (``total``, ``desc``), for a bar of the caller's."""
+        _no_lora(lora_request)
+        if tokenization_kwargs:
+            raise InvalidRequestError(f"tokenization_kwargs {sorted(tokenization_kwargs)} are not supported: "
+                                      "loom tokenizes as the model's GGUF file says (truncate_prompt_tokens and "
+                                      "add_special_tokens are SamplingParams / server fields)")
         if prompt_token_ids is not None:
             prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         if prompts is None:
             raise InvalidRequestError("generate() needs prompts or prompt_token_ids")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, Sequence)):
+            prompts = list(prompts)   # a generator of prompts
+        if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+            raise InvalidRequestError(f"prompts must be a string, a prompt dict or a list of them, got "
+                                      f"{type(prompts).__name__}")
         if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
             raise InvalidRequestError("prompts is a list of integers, which would be one prompt per integer: give "
                                       "token ids as {'prompt_token_ids': [...]}, [[...]] or prompt_token_ids=[[...]]")
@@ -69,9 +95,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | Callable = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, lora_request=None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, rendered with the model's chat
         template (or `chat_template`, a Jinja template), as the server renders a chat request.
 
@@ -81,6 +108,10 @@ class LLM:
         the calls in the output are the caller's to parse, as with vLLM's `LLM.chat`.
         continue_final_message: the final message is left open and the model continues it (with
         add_generation_prompt=False); chat_template_kwargs: more template variables."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidRequestError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                                      f"{chat_template_content_format!r}")
         if not messages:
             raise InvalidRequestError("chat() needs a conversation: a list of messages, or a list of such lists")
         convs = [messages] if isinstance(messages[0], Mapping) else messages
@@ -98,17 +129,34 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode_chat(msgs, **how)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def beam_search(self, prompts: str | Sequence, params: BeamSearchParams, use_tqdm: bool = False) -> list:
+    def beam_search(self, prompts: str | Sequence, params: BeamSearchParams, use_tqdm: bool = False, *,
+                    lora_request=None) -> list:
         """Beam search (or diverse beam search) per prompt with `BeamSearchParams` (vLLM's
         `from vllm.sampling_params import BeamSearchParams` reads `from loom.sampling_params ...`);
         returns one `BeamSearchOutput` per prompt, in order, its sequences best first."""
+        _no_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        show = use_tqdm and len(prompts) >= PROGRESS_MIN_PROMPTS
-        with _progress(show) as (bar, task):
-            bar.update(task, total=len(prompts))
-            return run_beam_search(self.engine, prompts, params, on_done=lambda: bar.advance(task))
+        with _progress(use_tqdm, len(prompts)) as advance:
+            return run_beam_search(self.engine, prompts, params, on_done=advance)
+
+    # vLLM's pooling and scoring methods: loom runs generative models only
+    def encode(self, *args, **kwargs):
+        raise NotImplementedError(_GENERATION_ONLY.format("encode"))
+
+    def embed(self, *args, **kwargs):
+        raise NotImplementedError(_GENERATION_ONLY.format("embed"))
+
+    def score(self, *args, **kwargs):
+        raise NotImplementedError(_GENERATION_ONLY.format("score") + "; to score a text's tokens, use "
+                                  "SamplingParams(prompt_logprobs=0)")
+
+    def classify(self, *args, **kwargs):
+        raise NotImplementedError(_GENERATION_ONLY.format("classify"))
+
+    def reward(self, *args, **kwargs):
+        raise NotImplementedError(_GENERATION_ONLY.format("reward"))
 
     @staticmethod
     def _params_list(sp, n: int) -> list[SamplingParams]:
@@ -116,9 +164,19 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
+        if isinstance(sp, Mapping):
+            raise InvalidRequestError("sampling_params must be SamplingParams or a list of them, got a dict: "
+                                      "write SamplingParams(**params)")
+        if isinstance(sp, (str, bytes)) or not isinstance(sp, Iterable):
+            raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got "
+                                      f"{type(sp).__name__}")
         sp = list(sp)
         if len(sp) != n:
             raise InvalidRequestError(f"got {len(sp)} sampling params for {n} prompts")
+        for p in sp:
+            if not isinstance(p, SamplingParams):
+                raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got a list "
+                                          f"holding {type(p).__name__}")
         return sp
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -135,21 +193,29 @@ class LLM:
     def _wait_for(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         gather = FinalOutputs()
-        show = use_tqdm and len(ids) >= PROGRESS_MIN_PROMPTS
-        # on stderr, as vLLM's tqdm: stdout stays the program's own output when redirected
-        with _progress(show) as (bar, task):
-            bar.update(task, total=len(ids))
+        with _progress(use_tqdm, len(ids)) as advance:
             while self.engine.has_unfinished_requests():
                 for out in gather.add_all(self.engine.step()):
                     final[out.request_id] = out
-                    bar.advance(task)
+                    advance()
         return [final[i] for i in ids]
 
 
 @contextmanager
-def _progress(show: bool) -> Iterator[tuple[Progress, TaskID]]:
-    """A progress bar of prompts done, on stderr as vLLM's tqdm (stdout stays the program's own
-    output when redirected); nothing when not `show`."""
+def _progress(use_tqdm: bool | Callable, total: int) -> Iterator[Callable[[], None]]:
+    """Yields the function to call per prompt done. A progress bar of them on stderr, as vLLM's
+    tqdm (stdout stays the program's own output when redirected), for `total` >= 8 where
+    `use_tqdm` is true; where it is a callable, the bar it makes, as vLLM calls it (tqdm's
+    constructor: ``use_tqdm(total=..., desc=...)``, then ``update(1)`` and ``close()``)."""
+    if callable(use_tqdm):
+        bar = use_tqdm(total=total, desc="Processed prompts")
+        try:
+            yield lambda: bar.update(1)
+        finally:
+            bar.close()
+        return
+    show = bool(use_tqdm) and total >= PROGRESS_MIN_PROMPTS
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), disable=not show, transient=True) as bar:
-        yield bar, bar.add_task("gen", total=None)
+        task = bar.add_task("gen", total=total)
+        yield lambda: bar.advance(task)

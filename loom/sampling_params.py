@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import json as _json
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -245,6 +246,7 @@ class SamplingParams:
     strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
+        self._plain_numbers()
         self.n = _int("n", self.n, "an integer >= 1")
         if self.n < 1:
             raise _fail("n", self.n, "an integer >= 1")
@@ -328,6 +330,22 @@ class SamplingParams:
             so = self.structured_outputs
             name = "tool_choice" if so.source == "tools" else so.field_name.split(".")[0]   # forced calls' grammar
             raise InvalidRequestError(f"{name} cannot be combined with ignore_eos or min_tokens > 0")
+
+    _INTS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+             "truncate_prompt_tokens")
+    _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+    def _plain_numbers(self) -> None:
+        """numpy's (or any) integer and real scalars, as a sweep over np.arange gives them, taken
+        as the int and float they are (vLLM takes them)."""
+        for name in self._INTS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                setattr(self, name, int(value))
+        for name in self._FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                setattr(self, name, float(value))
 
     def _check_token_controls(self) -> None:
         """logit_bias, allowed_token_ids, bad_words and their token ids, normalised."""

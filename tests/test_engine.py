@@ -472,6 +472,48 @@ def test_a_deleted_llm_frees_its_engine_and_model_at_once(tiny_llama_path, spec)
         gc.enable()
 
 
+def test_llm_takes_what_vllm_callers_pass(make_tiny):
+    """vLLM-shaped calls: lora_request=None, a callable use_tqdm (called as vLLM calls tqdm), a
+    generator of prompts, numpy numbers, get_default_sampling_params; refused by name: a LoRA
+    adapter, a dict for sampling_params, an unknown prompt-dict key, pooling methods; a chat
+    template error is a ValueError."""
+    import numpy as np
+
+    from loom.errors import TokenizerError
+    from loom.llm import LLM
+
+    llm = LLM.from_engine(make_tiny())
+    calls = []
+
+    class Bar:
+        def __init__(self, total, desc):
+            calls.append(("new", total, desc))
+
+        def update(self, n):
+            calls.append(("update", n))
+
+        def close(self):
+            calls.append(("close",))
+
+    params = SamplingParams(max_tokens=np.int64(2), temperature=np.float32(0.0))
+    outs = llm.generate((p for p in ["a", "b"]), params, use_tqdm=Bar, lora_request=None)
+    assert len(outs) == 2 and calls == [("new", 2, "Processed prompts"), ("update", 1), ("update", 1), ("close",)]
+    assert llm.get_default_sampling_params().max_tokens == 16
+    for call, words in ((lambda: llm.generate("a", params, lora_request=object()), "LoRA"),
+                        (lambda: llm.generate("a", {"max_tokens": 3}), "got a dict"),
+                        (lambda: llm.generate(["a", "b"], [params, None]), "holding NoneType"),
+                        (lambda: llm.generate(5, params), "got int"),
+                        (lambda: llm.generate({"prompt": "a", "multi_modal_data": {}}, params), "multi_modal_data")):
+        with pytest.raises(InvalidRequestError, match=words):
+            call()
+    with pytest.raises(NotImplementedError, match="generative models only"):
+        llm.embed(["a"])
+    with pytest.raises(ValueError):   # TokenizerError is one, as transformers' template errors are
+        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, chat_template="{% if %}")
+    assert issubclass(TokenizerError, ValueError)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 def test_llm_generate_aborts_its_requests_on_any_exception(make_tiny, monkeypatch, error):
     """Ctrl-C (or any error) inside generate leaves nothing running: the next call runs only

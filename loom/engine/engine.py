@@ -66,6 +66,9 @@ def _load(gguf: GGUFFile, linear: str, model, tokenizer: Tokenizer | None):
         return model, pending.result()
 
 
+# The keys of a prompt dict (vLLM's TextPrompt / TokensPrompt, as loom implements them).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
 class Engine:
     """`model` and `tokenizer`, when given, must come from the file `config.load.model` names
     (the model loaded with `config.load.linear_mode`); they are used instead of loading it again,
@@ -162,6 +165,8 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         params = self._with_eviction(params, fanout)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:   # vLLM's prompt-dict form
+            params = params.clone(cache_salt=prompt["cache_salt"])
         eviction = make_policy(params.kv_eviction)
         past_context = eviction is not None and not eviction.observes
         text, ids = self._tokenize(prompt)
@@ -347,9 +352,14 @@ class Engine:
         return req
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, ids) of a prompt: a string, token ids, or a dict of vLLM's prompt forms."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            if unknown := sorted(set(prompt) - PROMPT_KEYS):   # never dropped unread (an image, say)
+                raise InvalidRequestError(f"a prompt dict takes {', '.join(sorted(PROMPT_KEYS))}; loom does not "
+                                          f"implement {', '.join(map(repr, unknown))}" + (" (it serves text models)" if any(
+                                              k.startswith("multi_modal") for k in unknown) else ""))
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not all(map(_integer, ids)):
