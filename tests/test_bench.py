@@ -76,6 +76,21 @@ def test_quick_bench_reports_every_metric_and_skips_missing_peer(tiny_llama_path
     assert {p.name for p in plot_dir.iterdir()} == {"throughput.png", "latency.png", "single_stream.png"}
 
 
+def test_the_loom_peer_times_every_request_on_one_clock(tiny_llama_path) -> None:
+    """decode_throughput compares token times across requests: the loom peer times them all from
+    the run's start, as the other peers do (from each request's own arrival, a step's tokens fell
+    apart and N - 1 of a run's were not counted: 12-14% at --quick)."""
+    from loom.bench.peers.loom_peer import LoomPeer
+    from loom.bench.settings import Capacity
+
+    peer = LoomPeer(tiny_llama_path, 1, Capacity(max_seqs=4, max_seq_len=64, max_total_tokens=256))
+    peer.load()
+    run = peer.generate([[5, 6, 7, 8]] * 4, 6)
+    assert all(r.token_times == run.requests[0].token_times for r in run.requests)   # one step, one time
+    times = run.requests[0].token_times
+    assert run.decode_throughput() == pytest.approx(4 * (len(times) - 1) / (times[-1] - times[0]))
+
+
 def test_decode_throughput_counts_only_the_window_where_every_request_decodes() -> None:
     """Request a's first token comes at 1.0 s, b's (a longer prompt) at 1.5 s; both then get a
     token every 0.1 s, a finishing first. In [1.5, a's last token] both decode: 2 tokens / 0.1 s."""

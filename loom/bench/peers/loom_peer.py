@@ -54,6 +54,8 @@ class LoomPeer(Peer):
             m = out.metrics
             if m is None or m.first_token_time is None or m.last_token_time is None:
                 raise RuntimeError(f"request {rid} finished without token timestamps")
-            timings.append(request_timing(m.arrival_time, m.first_token_time, m.last_token_time,
+            # from the run's common start, as the other peers time them: decode_throughput compares
+            # token times across requests (each from its own arrival, a step's tokens fell apart)
+            timings.append(request_timing(start, m.first_token_time, m.last_token_time,
                                           len(out.outputs[0].token_ids), times[rid]))
         return RunTiming(wall, timings)
