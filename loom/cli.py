@@ -272,7 +272,8 @@ def bench(
     if dtype is not None and mode == "peers" and peers and "loom" not in [p.strip() for p in peers.split(",")]:
         raise LoomError("--dtype sets the plain `loom` peer, which --peers does not name (loom:DTYPE names one)")
     _check_bench_outputs(json_path, markdown, plot)
-    signal.signal(signal.SIGTERM, _interrupt)   # a stop: the servers and workers it started stop with it
+    for stop in (signal.SIGTERM, signal.SIGHUP):   # a stop, or the terminal closed: what it started stops with it
+        signal.signal(stop, _interrupt)
     if server is not None:  # three modes: a load test of a server, speculative decoding, the peer suites
         from loom.bench.load_command import run_load_command
 

@@ -329,6 +329,12 @@ class _FakeOpenAI(http.server.BaseHTTPRequestHandler):
         if self.path == "/v1/chat/completions":
             return self._json(400, {"error": {"message": "the model has no chat template"}})
         status = type(self).statuses.pop(0) if type(self).statuses else 200
+        if status == 299:   # a stream cut off: no usage, no [DONE]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n')
+            return None
         if status != 200:
             return self._json(status, {"error": {"message": f"failing with {status}"}})
         self.send_response(200)
@@ -364,6 +370,28 @@ def fake_openai():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_beside_peers_must_serve_their_model(fake_openai, tiny_llama_path: Path) -> None:
+    """--server URL --peers ...: the URL's server must serve the model the peers run (its name or
+    its GGUF file's stem): a ratio between two models is refused before anything runs."""
+    url, _ = fake_openai
+    result = CliRunner().invoke(app, ["bench", "--server", url, "--peers", "engine", "--model", str(tiny_llama_path),
+                                      "--rates", "max", "--num-requests", "1", "--max-tokens", "2"])
+    assert result.exit_code == 1 and "does not serve model" in result.output and "tiny-llama" in result.output
+    assert "it serves fake" in result.output
+
+
+def test_a_stream_without_done_is_a_failed_request(fake_openai, prompts_file: Path) -> None:
+    """As vLLM's benchmark counts it: a 200 whose stream ends before [DONE] failed."""
+    from loom.bench.load import LoadSettings, run_load
+
+    url, handler = fake_openai
+    handler.statuses = [200, 299, 200]   # the warm-up, then one of two requests cut off
+    plan = LoadSettings(url=url, rates=(float("inf"),), num_requests=2, max_tokens=3, endpoint="completions",
+                        prompts_path=prompts_file)
+    level = run_load(plan)["levels"][0]
+    assert level["ok"] == 1 and any("without [DONE]" in e for e in level["error_samples"]), level
 
 
 def test_completions_load_reports_server_errors(fake_openai, prompts_file: Path) -> None:

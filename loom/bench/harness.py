@@ -62,35 +62,47 @@ def _host() -> dict[str, Any]:
             "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version()}
 
 
+def _read_events(proc: subprocess.Popen, spec: PeerSpec, progress: Progress, task: Any
+                 ) -> tuple[dict[str, Any] | None, int]:
+    """The worker's JSON event lines, as they come: (its outcome, steps done)."""
+    assert proc.stdout is not None
+    outcome: dict[str, Any] | None = None
+    done = 0
+    for line in proc.stdout:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        kind = event.get("event")
+        if kind == "begin":
+            progress.update(task, description=f"[bold]{spec.label}[/bold]: {event.get('step')}")
+        elif kind == "end":
+            done += 1
+            progress.advance(task)
+        elif kind == "result":
+            outcome = {**event["result"], "status": "ok"}
+        elif kind == "skipped":
+            outcome = {key: event.get(key) for key in ("status", "reason", "hint")}
+        elif kind == "error":
+            outcome = {"status": "failed", "reason": event.get("message", "error"),
+                       "traceback": event.get("traceback")}
+    return outcome, done
+
+
 def _run_worker(spec: PeerSpec, job_path: Path, steps: list[str], threads: int, progress: Progress,
                 task: Any) -> dict[str, Any]:
     """One worker, start to exit; advances `task` once per finished step and returns the engine entry."""
     # the options travel whole: a flag such as --kv-cache-dtype sets one without changing the label
     cmd = [sys.executable, "-m", "loom.bench.worker", spec.label, str(job_path), json.dumps(spec.options)]
-    done = 0
-    outcome: dict[str, Any] | None = None
     started = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as errfile:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errfile, text=True, env=worker_env(threads))
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            kind = event.get("event")
-            if kind == "begin":
-                progress.update(task, description=f"[bold]{spec.label}[/bold]: {event.get('step')}")
-            elif kind == "end":
-                done += 1
-                progress.advance(task)
-            elif kind == "result":
-                outcome = {**event["result"], "status": "ok"}
-            elif kind == "skipped":
-                outcome = {key: event.get(key) for key in ("status", "reason", "hint")}
-            elif kind == "error":
-                outcome = {"status": "failed", "reason": event.get("message", "error"),
-                           "traceback": event.get("traceback")}
+        try:
+            outcome, done = _read_events(proc, spec, progress, task)
+        except BaseException:   # a stop (Ctrl-C, SIGTERM, SIGHUP): the worker stops with the bench
+            proc.kill()
+            proc.wait()
+            raise
         rc = proc.wait()
         errfile.seek(0)
         stderr = errfile.read()[-_STDERR_TAIL:]

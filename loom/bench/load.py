@@ -150,6 +150,7 @@ class LoadSettings:
     endpoint: str = AUTO
     ignore_eos: bool = False
     model_required: bool = False   # `model` was named: a server that does not serve it is an error
+    model_aliases: tuple[str, ...] = ()   # other names `model` is served under (a GGUF file's stem)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -294,8 +295,10 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
                 body = (await response.read()).decode("utf-8", "replace")
                 record.error = f"HTTP {response.status}: {body[:200]}"
                 return
+            done = False
             async for data in _sse_data(response.content):
                 if data == b"[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if chunk.get("error"):
@@ -311,6 +314,10 @@ async def _send(client: Any, settings: LoadSettings, payload: dict[str, Any], re
                     record.usage_reported = True
         if not record.usage_reported:
             record.output_tokens = len(record.chunk_times)
+        if not done:   # vLLM's benchmark counts these failed too: a stream must end with [DONE]
+            record.error = "the stream ended without [DONE] (a server that does not stream, or one cut off)"
+        elif record.output_tokens == 0:
+            record.error = "the stream carried no output token"
         record.end = clock()
     except Exception as e:  # noqa: BLE001 - a failed request is a measurement, not a crash
         record.error = f"{type(e).__name__}: {e}"[:300]
@@ -424,10 +431,14 @@ async def _served_model(client: Any, settings: LoadSettings, timeout: Any) -> st
         raise BenchError(f"cannot list models at {settings.api_base}/models: {e}") from None
     if not ids:
         raise BenchError(f"{settings.api_base}/models lists no model")
-    if settings.model in ids:
-        return settings.model
+    for name in (settings.model, *settings.model_aliases):
+        if name in ids:
+            return name
     if settings.model_required:
-        raise BenchError(f"{settings.api_base} does not serve model {settings.model!r}: it serves {', '.join(ids)}")
+        also = f" (or {', '.join(map(repr, settings.model_aliases))})" if settings.model_aliases else ""
+        raise BenchError(f"{settings.api_base} does not serve model {settings.model!r}{also}: it serves "
+                         f"{', '.join(ids)}; its figures would not compare with the peers' on {settings.model!r} "
+                         f"(start it with --served-model-name, or name its model with --model)")
     return ids[0]
 
 

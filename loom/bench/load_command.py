@@ -34,11 +34,12 @@ def load_plans(url: str, *, model: str | None, rates: str | None, num_requests: 
                duration: float | None, max_tokens: int | None, quick: bool,
                prompts: Path | None, endpoint: str = AUTO, ignore_eos: bool = False,
                max_concurrency: int | None = None, temperature: float = 0.0,
-               top_p: float = 1.0, model_required: bool = False) -> list[LoadSettings]:
+               top_p: float = 1.0, model_required: bool = False,
+               model_aliases: tuple[str, ...] = ()) -> list[LoadSettings]:
     """One `LoadSettings` per request count (one for --duration); `endpoint` as --endpoint takes it."""
     counts: Sequence[int | None] = ((None,) if duration is not None else
                                     num_requests or ((QUICK_REQUESTS if quick else DEFAULT_REQUESTS),))
-    return [LoadSettings(url=url, model=model, model_required=model_required,
+    return [LoadSettings(url=url, model=model, model_required=model_required, model_aliases=model_aliases,
                          rates=parse_rates(rates) if rates is not None else (QUICK_RATES if quick else DEFAULT_RATES),
                          num_requests=n, duration=duration,
                          max_tokens=max_tokens or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS),
@@ -78,10 +79,14 @@ def run_load_command(url: str, *, model: str | None, rates: str | None, num_requ
         raise BenchError(f"--num-requests must be positive integers, got {','.join(map(str, num_requests))}")
     if num_requests is not None and duration is not None:
         raise BenchError("give --num-requests (requests per rate) or --duration (seconds per rate), not both")
+    # beside --peers, a server at a URL must serve the peers' model (their ratios compare the two)
+    beside_peers = url != "start" and bool(peers)
+    aliases = (resolve_model(model).stem,) if beside_peers and model is not None else ()
     plans = load_plans(url, model=model, rates=rates, num_requests=num_requests, duration=duration,
                        max_tokens=max_tokens, quick=quick, prompts=prompts, endpoint=endpoint,
                        ignore_eos=ignore_eos, max_concurrency=max_concurrency, temperature=temperature,
-                       top_p=top_p, model_required=model_given and url != "start" and not peers)
+                       top_p=top_p, model_required=url != "start" and (model_given or beside_peers),
+                       model_aliases=aliases)
     if url != "start" and not peers and len(plans) == 1:
         with Progress(*COLUMNS, console=err, transient=True) as progress:
             report = run_load(plans[0], progress)

@@ -17,6 +17,7 @@ group. Kinds:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -213,11 +214,29 @@ def _tail(log: IO[bytes], lines: int = 1) -> str:
 
 
 def _default_sigint() -> None:
-    """In the server's process, before it runs: SIGINT back to its default. A command started in
-    the background by a shell (`nohup ... &`, CI runners) inherits SIGINT ignored, and so would
-    the server, which then sat out `stop`'s wait until SIGKILL (30 s a server)."""
+    """In the server's process, before it runs: SIGINT back to its default (a command started in
+    the background by a shell, `nohup ... &` or a CI runner, inherits SIGINT ignored, and so
+    would the server, which then sat out `stop`'s wait until SIGKILL: 30 s a server), and SIGTERM
+    when the bench dies (its own session keeps the terminal's hangup from it; a bench killed by
+    SIGKILL or a closed terminal left it running)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _terminate_with_parent()
 
+
+def _terminate_with_parent() -> None:
+    """Linux's PR_SET_PDEATHSIG: SIGTERM to this process when its parent exits (nothing elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+
+def _server_env(extra: dict[str, str]) -> dict[str, str]:
+    """A started server's environment: this one's without LOOM_API_KEY (`loom serve` would take
+    it as its --api-key and refuse the bench's unkeyed requests), and the launch's own."""
+    return {**{k: v for k, v in os.environ.items() if k != "LOOM_API_KEY"}, **extra}
 
 class LocalServer:
     """One started server: ``with LocalServer(name, launch, url) as s:`` waits until ``/health``
@@ -235,7 +254,7 @@ class LocalServer:
         start = time.perf_counter()
         try:
             self.proc = subprocess.Popen(self.launch.argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=subprocess.STDOUT, env={**os.environ, **self.launch.env},
+                                         stderr=subprocess.STDOUT, env=_server_env(self.launch.env),
                                          start_new_session=True, preexec_fn=_default_sigint)
         except OSError as e:
             raise BenchError(f"{self.name}: cannot start {self.launch.argv[0]}: {e}") from None

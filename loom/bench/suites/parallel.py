@@ -137,7 +137,7 @@ class ParallelCostSuite(Suite):
         if tokens != n * s.parallel_max_tokens:
             raise RuntimeError(f"{mode} n={n} generated {tokens} tokens, expected {n * s.parallel_max_tokens}")
         return {"wall_seconds": wall, "output_tokens": tokens, "throughput_tok_s": tokens / wall,
-                "prompt_tokens_computed": engine.scheduler.stats.prompt_tokens, "peak_kv_blocks": peak}
+                "prompt_tokens_computed": engine.scheduler.stats.prompt_tokens_computed, "peak_kv_blocks": peak}
 
 
 class ParallelQualitySuite(Suite):
