@@ -157,9 +157,14 @@ def _refuse_unread_bench_options(ctx: typer.Context, mode: str) -> None:
 def _check_bench_outputs(json_path: Path | None, markdown: Path | None, plot: Path | None) -> None:
     """Output paths that would fail only after the run are one line before it (missing parent
     directories are made, as the report writers make them)."""
+    if json_path is not None and markdown is not None and json_path.absolute() == markdown.absolute():
+        raise LoomError(f"--json and --markdown name the same file ({json_path}): one would overwrite the other")
     for path, flag in ((json_path, "--json"), (markdown, "--markdown")):
         if path is not None:
-            path.absolute().parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.absolute().parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LoomError(f"{flag} {path}: cannot make its directory: {e.strerror or e}") from None
             _check_writable(path, flag)
     if plot is not None and plot.exists() and not plot.is_dir():
         raise LoomError(f"--plot {plot}: is a file; --plot names the directory the charts go into")
@@ -343,6 +348,7 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
                 repeats: int | None, datastore: str | None, llamacpp: bool = True,
                 max_tokens: int | None = None, plot: Path | None = None) -> None:
     from loom.bench.spec_bench import METHODS, SpecBenchSettings, run_spec_bench, spec_lines, write_plots
+    from loom.bench.report import write_output
     from loom.bench.settings import BenchError
 
     settings = SpecBenchSettings.preset(quick)
@@ -368,9 +374,9 @@ def _spec_bench(model: str, threads: int, prompts: Path, quick: bool, dtype: str
     text = "\n".join(spec_lines(report))
     out.print(escape(text))
     if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=2))
+        write_output(json_path, json.dumps(report, indent=2) + "\n")
     if markdown is not None:
-        markdown.write_text(text + "\n")
+        write_output(markdown, text + "\n")
     if plot is not None:
         for path in write_plots(report, plot):
             out.print(f"plot written to {escape(str(path))}")

@@ -198,7 +198,8 @@ class SamplingParams:
     prediction_token_ids: the prediction's tokens; set by the engine from `prediction` (given
         directly: drafted from as they are).
     truncate_prompt_tokens: keep only the last k >= 1 tokens of the prompt (left truncation); -1:
-        as many as the context holds with one token left to generate; None: the whole prompt.
+        as many as the context holds with max_tokens (at least one) left to generate; None: the
+        whole prompt.
     kv_eviction: evict KV entries of this request under a token budget (`KVEvictionParams`, or a
         dict of it: {"policy": "streaming" | "snapkv" | "none", "budget", "sinks", "window",
         "pool"}); None takes the engine's default (`--kv-eviction`), policy "none" opts out of it.
@@ -447,6 +448,14 @@ class SamplingParams:
     def effective_best_of(self) -> int:
         """Completions to generate: `best_of` when given, else `n`."""
         return self.n if self.best_of is None else self.best_of
+
+    def prompt_keep(self, max_model_len: int) -> int | None:
+        """How many of a prompt's last tokens `truncate_prompt_tokens` keeps in a context of
+        `max_model_len` (None: all): -1 leaves room for max_tokens, as many as it asks."""
+        keep = self.truncate_prompt_tokens
+        if keep != -1:
+            return keep
+        return max(1, max_model_len - max(1, self.max_tokens or 1))
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy, with `changes` applied to the named fields."""

@@ -772,3 +772,25 @@ def test_load_reads_sse_data_lines_however_the_network_splits_them() -> None:
     assert asyncio.run(read([body])) == want
     assert asyncio.run(read([body[i:i + 7] for i in range(0, len(body), 7)])) == want
     assert asyncio.run(read([bytes([b]) for b in body[:40]] + [body[40:]])) == want
+
+
+def test_report_files_are_written_whole_or_refused_in_one_line(tmp_path: Path) -> None:
+    """A report is renamed into place (no half-written file); a failure is one BenchError line;
+    --json and --markdown naming one file, or a file as a directory, are refused before the run."""
+    from loom.bench.report import write_output
+
+    target = tmp_path / "r.json"
+    write_output(target, "{}\n")
+    assert target.read_text() == "{}\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    with pytest.raises(BenchError, match="cannot write /dev/full"):   # a device is written to, never replaced
+        write_output(Path("/dev/full"), "x" * 10)
+    assert Path("/dev/full").is_char_device()
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(BenchError, match="cannot write"):
+        write_output(tmp_path / "adir", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "r.json"]
+    (tmp_path / "plain").write_text("")
+    for args, words in ((["--json", str(tmp_path / "plain" / "x.json")], "cannot make its directory"),
+                        (["--spec", "--json", str(target), "--markdown", str(target)], "name the same file")):
+        result = CliRunner().invoke(app, ["bench", *args])
+        assert result.exit_code == 1 and words in result.output, result.output

@@ -1048,7 +1048,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_tail(make_tiny):
     assert whole.prompt_token_ids == prompt
     long = [5 + i % 300 for i in range(engine.max_model_len + 50)]
     out = run_alone(make_tiny, long, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1, **GREEDY))
-    assert out.prompt_token_ids == long[-(engine.max_model_len - 1):] and len(out.outputs[0].token_ids) == 1
+    assert out.prompt_token_ids == long[-(engine.max_model_len - 4):] and len(out.outputs[0].token_ids) == 4   # room kept
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
 

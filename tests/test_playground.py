@@ -157,21 +157,34 @@ def test_clear_settings_and_failed_turns(server_pool, browser) -> None:
     assert browser.find_element(By.ID, "prompt").get_attribute("value") == "not yet"
     assert len(browser.execute_script("return window.sent")) == 2
     browser.find_element(By.ID, "prompt").clear()
+    setting("max-tokens", "3")
 
-    setting("max-tokens", "8190")   # more than the context leaves: the server's 400
+    browser.execute_script(   # the next answer fails (a 503 from a server going away)
+        "const g = window.fetch; window.fetch = (u, o) => { if (!o || !o.body) return g(u, o); "
+        "window.fetch = g; window.sent.push(JSON.parse(o.body)); "
+        "return Promise.resolve(new Response(JSON.stringify({error: {message: 'server going away'}}), "
+        "{status: 503})); };")
     send("My name is Zed.")
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.user.unsent"))
     assert browser.find_element(By.ID, "prompt").get_attribute("value") == "My name is Zed."
-    assert "too large" in browser.find_element(By.ID, "status").text
+    assert "server going away" in browser.find_element(By.ID, "status").text
     browser.find_element(By.ID, "prompt").clear()
-    setting("max-tokens", "3")
     send("What is my name?")
     wait.until(lambda d: len(d.execute_script("return window.sent")) == 4)
     messages = browser.execute_script("return window.sent[3].messages")
     assert "My name is Zed." not in [m["content"] for m in messages] and messages[-1]["content"] == "What is my name?"
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].get_attribute("data-state") == "done")
 
+    # max tokens past the context's room: the server's 400 says how much fits, and the page asks for that
+    setting("max-tokens", "8190")
+    send("hi")
+    wait.until(lambda d: "max tokens cut to" in d.find_elements(By.CSS_SELECTOR, ".msg.user")[-1].text)
+    browser.find_element(By.ID, "stop").click()
+    wait.until(lambda d: not d.find_element(By.ID, "stop").is_enabled())
+    retried = browser.execute_script("return window.sent.slice(-2).map(b => b.max_tokens)")
+    assert retried[0] == 8190 and 0 < retried[1] < 8190
+
     browser.find_element(By.ID, "prompt").send_keys("にほんご")
     browser.execute_script("document.getElementById('prompt').dispatchEvent(new KeyboardEvent('keydown', "
                            "{key: 'Enter', keyCode: 229, isComposing: true, bubbles: true}))")
-    assert len(browser.execute_script("return window.sent")) == 4
+    assert len(browser.execute_script("return window.sent")) == 6

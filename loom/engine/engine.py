@@ -170,9 +170,8 @@ class Engine:
         eviction = make_policy(params.kv_eviction)
         past_context = eviction is not None and not eviction.observes
         text, ids = self._tokenize(prompt)
-        keep = params.truncate_prompt_tokens
+        keep = params.prompt_keep(self.max_model_len)
         if keep is not None and ids:
-            keep = self.max_model_len - 1 if keep == -1 else keep
             if len(ids) > keep:
                 ids = ids[-keep:]
                 text = self.tokenizer.decode(ids)   # the outputs' prompt: the text of the ids kept

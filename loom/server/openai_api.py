@@ -178,7 +178,7 @@ def _opening_usage(group: ChoiceGroup, choices: list) -> UsageInfo | None:
 def _answer_id(prefix: str, body: SamplingFields, request: Request) -> str:
     """The answer's id, as vLLM names it: `prefix`-, then the request's X-Request-Id header, else
     its `request_id` field, else a random one."""
-    given = request.headers.get("x-request-id") or body.request_id
+    given = (request.headers.get("x-request-id") or "")[:128] or body.request_id   # as RequestIds echoes it
     return f"{prefix}-{given or uuid.uuid4().hex}"
 
 
@@ -679,6 +679,9 @@ class OpenAIServing:
                                "response_format or structured_outputs", param="tool_choice", code="invalid_value")
             params = params.clone(structured_outputs=StructuredOutputsParams(json=schema, source="tools"))
         prompt = await self._chat_prompt(body, tools)
+        keep = params.prompt_keep(self.ae.max_model_len)
+        if keep is not None and len(prompt["prompt_token_ids"]) > keep:   # cut here as the engine cuts it:
+            prompt = {"prompt_token_ids": prompt["prompt_token_ids"][-keep:]}   # usage, return_token_ids see it
         rid, created = _answer_id("chatcmpl", body, request), int(time.time())
         plan = plan_loom(body.loom, body.stream, body.n)
         group = fan_out(self.ae, [prompt], params, body.n, _engine_id(rid), body.priority, self.metrics.tracker,

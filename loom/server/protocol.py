@@ -50,6 +50,8 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 # Accepted and ignored: bookkeeping fields of the OpenAI API that cannot change the output.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+# vLLM's and llama-server's fields completions and chat take at the values that change nothing.
+NO_OP_FIELDS = ("cache_prompt", "spaces_between_special_tokens", "use_beam_search: false")
 
 
 class _Request(BaseModel):

@@ -173,10 +173,22 @@
 
     try {
       const endpoint = completionMode ? "/v1/completions" : "/v1/chat/completions";
-      const response = await fetch(endpoint, {
+      const post = () => fetch(endpoint, {
         method: "POST", headers: authHeaders(), body: JSON.stringify(body), signal: controller.signal,
       });
-      if (!response.ok) throw new Error(await errorMessage(response));
+      let response = await post();
+      if (!response.ok) {
+        const message = await errorMessage(response);
+        // near the context's end the server refuses max tokens past the room left (as vLLM's):
+        // ask once more for what fits, and say so
+        const room = /maximum context length is (\d+) tokens and your request has (\d+) input tokens/.exec(message);
+        const left = room ? Number(room[1]) - Number(room[2]) : 0;
+        if (response.status !== 400 || left < 1 || left >= body.max_tokens) throw new Error(message);
+        body.max_tokens = left;
+        addMeta(asked, `max tokens cut to ${left}: the room left in the context`);
+        response = await post();
+        if (!response.ok) throw new Error(await errorMessage(response));
+      }
       for await (const chunk of sseEvents(response.body)) {
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) tokens = chunk.usage.completion_tokens;
