@@ -33,6 +33,10 @@ from loom.outputs import CompletionOutput
 from loom.sampling_params import SamplingParams
 
 
+# vLLM's buckets of vllm:iteration_tokens_total: the scheduler counts its steps' tokens into
+# them, the server's /metrics exports them (without importing the engine)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 @dataclass(frozen=True)
 class DraftTree:
     tokens: tuple[int, ...]

@@ -41,14 +41,10 @@ import time
 from dataclasses import dataclass, field
 
 from loom.config import CacheConfig, SchedulerConfig
-from loom.contracts import NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
+from loom.contracts import ITERATION_BUCKETS, NewRequestData, RunnerOutput, ScheduledSeq, SchedulerOutput
 from loom.engine.request import Request, RequestStatus
 from loom.kv.eviction import kept_runs
 from loom.kv.manager import KVCacheManager, PrefixHit
-
-
-# vLLM's buckets of vllm:iteration_tokens_total
-ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
