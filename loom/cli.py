@@ -460,11 +460,7 @@ def serve(
                                  param_hint="--log-level")
     cluster = _cluster_options(replicas, threads, ray_address, min_replicas, max_replicas,
                                target_ongoing_requests, router, _json_option(autoscaling_config, "--autoscaling-config"))
-    if cluster is None and router is not None:   # options of another mode are refused, never ignored
-        raise typer.BadParameter("applies with --replicas (a cluster's router)", param_hint="--router")
-    if engine_restarts is not None and (not engine_process or cluster is not None):
-        raise typer.BadParameter("applies to a server whose engine runs in its own process (not with "
-                                 "--no-engine-process or --replicas)", param_hint="--engine-restarts")
+    _refuse_other_modes(cluster, router, engine_restarts, engine_process)
     if cluster is not None:
         threads = cluster.threads
     config = EngineConfig.create(model, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
@@ -485,6 +481,15 @@ def serve(
 
         return run_cluster(config, cluster, **front)
     _serve_here(config, engine_process, front, engine_restarts)
+
+
+def _refuse_other_modes(cluster, router: str | None, engine_restarts: int | None, engine_process: bool) -> None:
+    """Options of another way of serving are refused, never ignored."""
+    if cluster is None and router is not None:
+        raise typer.BadParameter("applies with --replicas (a cluster's router)", param_hint="--router")
+    if engine_restarts is not None and (not engine_process or cluster is not None):
+        raise typer.BadParameter("applies to a server whose engine runs in its own process (not with "
+                                 "--no-engine-process or --replicas)", param_hint="--engine-restarts")
 
 
 def _chat_template(value: str | None) -> str | None:

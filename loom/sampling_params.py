@@ -299,11 +299,7 @@ class SamplingParams:
             if not 0 <= _int("logprobs", self.logprobs, allowed) <= MAX_LOGPROBS:
                 raise _fail("logprobs", self.logprobs, allowed)
 
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
-                     "strict_max_tokens"):
-            _flag(name, getattr(self, name))
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise _fail("cache_salt", self.cache_salt, "a non-empty string")
+        self._check_flags_and_salt()
         if not self.detokenize and self.stop:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the output's text")
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
@@ -318,6 +314,14 @@ class SamplingParams:
             allowed = f"None or an integer in [0, {MAX_LOGPROBS}]"
             if not 0 <= _int("prompt_logprobs", self.prompt_logprobs, allowed) <= MAX_LOGPROBS:
                 raise _fail("prompt_logprobs", self.prompt_logprobs, allowed)
+        self._check_eviction()
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            # a grammar ends where it ends: past its end only a stop token is allowed
+            so = self.structured_outputs
+            name = "tool_choice" if so.source == "tools" else so.field_name.split(".")[0]   # forced calls' grammar
+            raise InvalidRequestError(f"{name} cannot be combined with ignore_eos or min_tokens > 0")
+
+    def _check_eviction(self) -> None:
         self.kv_eviction = KVEvictionParams.create(self.kv_eviction)
         if self.kv_eviction is not None and self.kv_eviction.enabled:
             if self.prompt_logprobs is not None:
@@ -326,11 +330,13 @@ class SamplingParams:
             if self.n > 1 or (self.best_of or 1) > 1:
                 raise InvalidRequestError("kv_eviction cannot be combined with n > 1 or best_of: "
                                           "evicting sequences do not share KV blocks")
-        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
-            # a grammar ends where it ends: past its end only a stop token is allowed
-            so = self.structured_outputs
-            name = "tool_choice" if so.source == "tools" else so.field_name.split(".")[0]   # forced calls' grammar
-            raise InvalidRequestError(f"{name} cannot be combined with ignore_eos or min_tokens > 0")
+
+    def _check_flags_and_salt(self) -> None:
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
+                     "strict_max_tokens"):
+            _flag(name, getattr(self, name))
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise _fail("cache_salt", self.cache_salt, "a non-empty string")
 
     _INTS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
              "truncate_prompt_tokens")

@@ -1370,8 +1370,8 @@ def test_async_engine_forgets_every_finished_request(make_tiny):
 
     async def run() -> None:
         async def drain(params: SamplingParams) -> None:
-            async for _ in ae.generate("hello there", params):
-                pass
+            outs = [out async for out in ae.generate("hello there", params)]
+            assert outs[-1].finished
 
         async def first_only() -> None:
             async for _ in ae.generate("hello", SamplingParams(max_tokens=30, ignore_eos=True)):
