@@ -154,6 +154,19 @@ def _refuse_unread_bench_options(ctx: typer.Context, mode: str) -> None:
             raise LoomError(f"{flag} has no effect in {name}" + (f": it is for {' and '.join(users)}" if users else ""))
 
 
+def _check_peer_options(peers: str | None, dtype: str | None, kv_cache_dtype: str | None, parallel: bool,
+                        limit: int | None, parallel_n: str | None) -> None:
+    """Options of the peer suites that the run would not read are refused, never ignored."""
+    named = [p.strip() for p in peers.split(",")] if peers else None
+    if dtype is not None and named is not None and "loom" not in named:
+        raise LoomError("--dtype sets the plain `loom` peer, which --peers does not name (loom:DTYPE names one)")
+    if kv_cache_dtype is not None and named is not None and not any(p.split(":")[0] == "loom" for p in named):
+        raise LoomError("--kv-cache-dtype sets loom's peers, and --peers names none")
+    for value, flag in ((limit, "--limit"), (parallel_n, "--parallel-n")):
+        if value is not None and not parallel:
+            raise LoomError(f"{flag} sets the parallel-sampling suites: it needs --parallel")
+
+
 def _check_bench_outputs(json_path: Path | None, markdown: Path | None, plot: Path | None) -> None:
     """Output paths that would fail only after the run are one line before it (missing parent
     directories are made, as the report writers make them)."""
@@ -274,8 +287,8 @@ def bench(
     _refuse_unread_bench_options(ctx, mode)
     if rounds != 1 and not peers:
         raise LoomError("--rounds interleaves the servers of --peers: it needs --peers")
-    if dtype is not None and mode == "peers" and peers and "loom" not in [p.strip() for p in peers.split(",")]:
-        raise LoomError("--dtype sets the plain `loom` peer, which --peers does not name (loom:DTYPE names one)")
+    if mode == "peers":
+        _check_peer_options(peers, dtype, kv_cache_dtype, parallel, limit, parallel_n)
     _check_bench_outputs(json_path, markdown, plot)
     for stop in (signal.SIGTERM, signal.SIGHUP):   # a stop, or the terminal closed: what it started stops with it
         signal.signal(stop, _interrupt)

@@ -794,3 +794,13 @@ def test_report_files_are_written_whole_or_refused_in_one_line(tmp_path: Path) -
                         (["--spec", "--json", str(target), "--markdown", str(target)], "name the same file")):
         result = CliRunner().invoke(app, ["bench", *args])
         assert result.exit_code == 1 and words in result.output, result.output
+
+
+def test_peer_suite_options_the_run_would_not_read_are_refused() -> None:
+    """--limit and --parallel-n without --parallel, --kv-cache-dtype without a loom peer: one
+    line before anything runs (they passed unread)."""
+    for args, words in ((["--limit", "3"], "--limit sets the parallel"),
+                        (["--parallel-n", "2"], "--parallel-n sets the parallel"),
+                        (["--kv-cache-dtype", "int8", "--peers", "llama.cpp"], "--kv-cache-dtype sets loom")):
+        result = CliRunner().invoke(app, ["bench", *args])
+        assert result.exit_code == 1 and words in result.output, result.output

@@ -354,3 +354,19 @@ def test_engine_column_is_a_peer_the_comparison_runs_without_a_server(tiny_gemma
     assert seen == [(["completions", "completions"], tiny_gemma3_path, 2)]
     assert [r["start_seconds"] for r in report["runs"]] == [None, None]
     assert report["summary"][0]["ratios"]["engine"]["output_tok_s"] == pytest.approx(0.9)   # the server's share
+
+
+def test_a_peer_not_built_is_found_before_any_server_runs(tiny_gemma3_path: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every started peer's executable is resolved before the first run: a missing one is one
+    line at once, not after the other servers' whole loads."""
+    from loom.bench.load import LoadSettings
+    from loom.bench.server_compare import run_comparison, targets
+
+    monkeypatch.setenv("LOOM_LLAMA_SERVER", str(tmp_path / "not-there"))
+    ran = []
+    plans = [LoadSettings(url="http://x", num_requests=1, endpoint="completions")]
+    with pytest.raises(BenchError, match="LOOM_LLAMA_SERVER"):
+        run_comparison(targets("start", "loom,llama-server"), plans, tiny_gemma3_path, threads=1,
+                       load=lambda *a, **k: ran.append(a), log=lambda m: None)
+    assert ran == []

@@ -117,6 +117,9 @@ def run_comparison(columns: Sequence[Target], plans: Sequence[LoadSettings], ggu
         raise BenchError("starting a server peer (or the engine column) needs the model's GGUF (--model)")
     slots = max(n for p in plans for n in p.counts())
     plans = same_endpoint(plans, gguf)
+    for target in started:   # a peer not built is one line before any server runs, not after the others' loads
+        if target.kind.launch is not None:
+            target.kind.launch(ServeJob(gguf, threads, slots, seq_tokens(plans[0]), 0))
     report = {"kind": "load-compare", "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "model": str(gguf) if gguf else None, "threads": threads, "rounds": rounds, "slots": slots,
               "endpoint": plans[0].endpoint,
