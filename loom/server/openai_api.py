@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import difflib
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -34,7 +33,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -843,17 +842,9 @@ class OpenAIServing:
                              prefix_cache_hits=s.prefix_cache_hits)
 
 
-def _bearer_check(api_key: str):
-    bearer = HTTPBearer(auto_error=False, description="The server's --api-key.")
-
-    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        given = credentials.credentials if credentials is not None else ""
-        if not secrets.compare_digest(given.encode(), api_key.encode()):
-            raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    return check
+# --api-key in the OpenAPI schema (the lock /docs shows): the key itself is checked by the
+# BearerKey middleware, before a request's body is read
+_BEARER = HTTPBearer(auto_error=False, description="The server's --api-key.")
 
 
 def _integer_branches(schema: dict[str, Any]) -> list[dict[str, Any]]:
@@ -980,7 +971,7 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
 
 def _v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     """The OpenAI routes under /v1 (behind the bearer check when an API key is set)."""
-    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    auth = [Depends(_BEARER)] if api_key else []
     v1_errors = {**_V1_ERRORS, **({401: _ERRORS} if api_key else {})}
     gen_errors = {**_GENERATE_ERRORS, **({401: _ERRORS} if api_key else {})}
     v1 = APIRouter(prefix="/v1", dependencies=auth)
@@ -1016,14 +1007,14 @@ def _v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
 
 def _responses_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     """OpenAI's Responses API under /v1 (see responses.py)."""
-    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    auth = [Depends(_BEARER)] if api_key else []
     gen_errors = {**_GENERATE_ERRORS, **({401: _ERRORS} if api_key else {})}
     return responses_router(ResponsesServing(serving), auth, gen_errors, _sse_doc("ResponseStreamEvent"))
 
 
 def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     """vLLM's tokenizer routes at the root: /tokenize, /detokenize, /tokenizer_info."""
-    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    auth = [Depends(_BEARER)] if api_key else []
     errors = {**_V1_ERRORS, 404: _ERRORS, **({401: _ERRORS} if api_key else {})}   # 404: another model named
     router = APIRouter(dependencies=auth)
 
