@@ -93,6 +93,17 @@ class FinalOutputs:
         return [f for out in outs if (f := self.add(out)) is not None]
 
 
+def as_delta(out: RequestOutput, first: bool) -> RequestOutput:
+    """`out` with each completion's text, token ids and logprobs cut to what this output added
+    (vLLM's DELTA outputs); prompt logprobs only on the request's first output."""
+    def cut(c: CompletionOutput) -> CompletionOutput:
+        new = len(c.delta_token_ids)
+        logprobs = None if c.logprobs is None else (c.logprobs[len(c.logprobs) - new:] if new else [])
+        return dataclasses.replace(c, text=c.delta_text, token_ids=list(c.delta_token_ids), logprobs=logprobs)
+    return dataclasses.replace(out, outputs=[cut(c) for c in out.outputs],
+                               prompt_logprobs=out.prompt_logprobs if first else None)
+
+
 async def stream_outputs(queue: asyncio.Queue, stopped_early: Callable[[], None]) -> AsyncIterator[RequestOutput]:
     """A request's outputs as they arrive on `queue`, until the one that has `finished`. An
     exception put on the queue is raised (the request is over: nothing to abort); if the

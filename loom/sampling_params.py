@@ -68,9 +68,22 @@ def _int(name: str, value: Any, allowed: str) -> int:
 
 
 def _flag(name: str, value: Any) -> bool:
+    """A boolean; numpy's boolean scalar (what a comparison of numpy values gives) taken as one."""
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b" and getattr(value, "ndim", None) == 0:
+        return bool(value)
     if not isinstance(value, bool):
         raise _fail(name, value, "a boolean")
     return value
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's stream of outputs carries (vLLM's): every output the whole text so far
+    (CUMULATIVE), only what each step added (DELTA), or only the finished request (FINAL_ONLY).
+    `AsyncEngine.generate` honours it; `LLM.generate` returns finished requests whatever it is."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,10 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+# vLLM's earlier name of the class (its `guided_decoding` field took one)
+GuidedDecodingParams = StructuredOutputsParams
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completion of one request (vLLM-compatible subset).
@@ -212,6 +229,12 @@ class SamplingParams:
     strict_max_tokens: True refuses a max_tokens larger than the room the prompt leaves in the
         context (ContextLengthError, as vLLM's server refuses it); False (the default, as vLLM's
         offline engine) cuts it to that room, and the output ends with finish_reason "length".
+    output_kind: a `RequestOutputKind` (or its name): what `AsyncEngine.generate` streams.
+    guided_decoding: vLLM's earlier name of `structured_outputs` (read as it; not both).
+    logits_processors: refused unless empty: per-request Python callables over the logits are
+        not taken (nor by vLLM's V1 engine); `logit_bias`, `allowed_token_ids`, `bad_words` and
+        `structured_outputs` cover their uses.
+    extra_args: refused unless empty: vLLM hands it to sampling plugins, and loom loads none.
     """
 
     n: int = 1
@@ -245,6 +268,10 @@ class SamplingParams:
     detokenize: bool = True
     cache_salt: str | None = None
     strict_max_tokens: bool = False
+    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
+    guided_decoding: StructuredOutputsParams | dict | None = None
+    logits_processors: Sequence[Any] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._plain_numbers()
@@ -300,6 +327,7 @@ class SamplingParams:
                 raise _fail("logprobs", self.logprobs, allowed)
 
         self._check_flags_and_salt()
+        self._check_vllm_extras()
         if not self.detokenize and self.stop:
             raise InvalidRequestError("stop strings need detokenize=True: they are matched in the output's text")
         self.structured_outputs = StructuredOutputsParams.create(self.structured_outputs)
@@ -334,9 +362,31 @@ class SamplingParams:
     def _check_flags_and_salt(self) -> None:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize",
                      "strict_max_tokens"):
-            _flag(name, getattr(self, name))
+            setattr(self, name, _flag(name, getattr(self, name)))
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise _fail("cache_salt", self.cache_salt, "a non-empty string")
+
+    def _check_vllm_extras(self) -> None:
+        """output_kind normalised; guided_decoding moved to structured_outputs; the fields loom has
+        no hook for refused by name unless empty."""
+        kind = self.output_kind
+        if isinstance(kind, str) and kind.upper() in RequestOutputKind.__members__:
+            kind = RequestOutputKind[kind.upper()]
+        if not isinstance(kind, RequestOutputKind):
+            raise _fail("output_kind", self.output_kind,
+                        f"a RequestOutputKind ({', '.join(RequestOutputKind.__members__)})")
+        self.output_kind = kind
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("give structured_outputs or guided_decoding (its earlier name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.logits_processors:
+            raise InvalidRequestError("logits_processors are not supported: loom takes no per-request Python "
+                                      "callables over the logits (nor does vLLM's V1 engine); use logit_bias, "
+                                      "allowed_token_ids, bad_words or structured_outputs")
+        if self.extra_args:
+            raise InvalidRequestError(f"extra_args is for sampling plugins and loom loads none: "
+                                      f"got keys {sorted(map(str, self.extra_args))}")
 
     _INTS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
              "truncate_prompt_tokens")

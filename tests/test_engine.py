@@ -1385,3 +1385,55 @@ def test_async_engine_forgets_every_finished_request(make_tiny):
         assert ae._queues == {} and not ae.engine.has_unfinished_requests()
     finally:
         ae.shutdown()
+
+
+def test_vllm_sampling_fields_output_kind_and_numpy_scalars(make_tiny):
+    """vLLM's remaining SamplingParams fields: output_kind shapes AsyncEngine's stream (DELTA
+    pieces join to the CUMULATIVE text, FINAL_ONLY is one output with every choice);
+    guided_decoding is structured_outputs' earlier name; logits_processors and extra_args are
+    refused by name; numpy booleans and priorities are taken as Python's."""
+    import asyncio
+
+    import numpy as np
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.sampling_params import GuidedDecodingParams, RequestOutputKind
+
+    ae = AsyncEngine(make_tiny())
+
+    async def collect(kind, n=1):
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0, n=n, output_kind=kind,
+                                logprobs=1)
+        return [out async for out in ae.generate("hello there", params)]
+
+    try:
+        cumulative = asyncio.run(collect(RequestOutputKind.CUMULATIVE))
+        delta = asyncio.run(collect("delta"))
+        final = asyncio.run(collect(RequestOutputKind.FINAL_ONLY, n=2))
+    finally:
+        ae.shutdown()
+    whole = cumulative[-1].outputs[0]
+    assert len(delta) == len(cumulative) > 1 and delta[-1].finished
+    assert "".join(o.outputs[0].text for o in delta) == whole.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == whole.token_ids
+    assert sum(len(o.outputs[0].logprobs) for o in delta) == len(whole.logprobs) == 6
+    assert len(final) == 1 and final[0].finished and [c.index for c in final[0].outputs] == [0, 1]
+    assert all(len(c.token_ids) == 6 for c in final[0].outputs)
+
+    so = GuidedDecodingParams(choice=["yes", "no"])
+    assert SamplingParams(guided_decoding=so).structured_outputs == so
+    assert SamplingParams(guided_decoding={"regex": "a+"}).structured_outputs.regex == "a+"
+    for kwargs, words in (({"guided_decoding": so, "structured_outputs": so}, "not both"),
+                          ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors"),
+                          ({"extra_args": {"k": 1}}, "extra_args"),
+                          ({"output_kind": "streaming"}, "output_kind")):
+        with pytest.raises(InvalidRequestError, match=words):
+            SamplingParams(**kwargs)
+    assert SamplingParams(extra_args={}, logits_processors=[]).extra_args == {}
+    flag = np.float32(1.0) > 0
+    params = SamplingParams(ignore_eos=flag, max_tokens=2)
+    assert params.ignore_eos is True
+    engine = make_tiny()
+    rid = engine.add_request("hello", params, priority=np.int64(3))
+    assert engine.scheduler.waiting[0].priority == 3 and type(engine.scheduler.waiting[0].priority) is int
+    engine.abort(rid)

@@ -5,7 +5,8 @@ while the asyncio loop serves HTTP. A lock makes `add_request` / `abort` atomic 
 respect to `step()`; a request's outputs reach its consumer through an asyncio.Queue.
 
 Contract of `generate`: yields RequestOutputs (cumulative text plus deltas) until one
-has `finished`; if the consumer stops early (client disconnect, cancellation), the
+has `finished` (or, by the request's `output_kind`, only the deltas, or only the final output
+with every choice); if the consumer stops early (client disconnect, cancellation), the
 request is aborted and its KV blocks are freed.
 """
 
@@ -18,8 +19,8 @@ from contextlib import aclosing
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
-from loom.outputs import RequestOutput, stream_outputs
-from loom.sampling_params import SamplingParams
+from loom.outputs import FinalOutputs, RequestOutput, as_delta, stream_outputs
+from loom.sampling_params import RequestOutputKind, SamplingParams
 
 
 class AsyncEngine:
@@ -64,9 +65,18 @@ class AsyncEngine:
             rid = self.engine.add_request(prompt, params, request_id, priority, fanout=fanout)
             self._queues[rid] = (asyncio.get_running_loop(), queue)
         self._wake.set()
+        kind = params.clone().output_kind if params is not None else RequestOutputKind.CUMULATIVE
+        final, first = FinalOutputs(), True
         async with aclosing(stream_outputs(queue, lambda: self._drop(rid))) as outs:
             async for out in outs:
-                yield out
+                if kind is RequestOutputKind.FINAL_ONLY:
+                    if (done := final.add(out)) is not None:
+                        yield done
+                elif kind is RequestOutputKind.DELTA:
+                    yield as_delta(out, first)
+                else:
+                    yield out
+                first = False
 
     def _drop(self, rid: str) -> None:
         """The consumer stopped before the end: forget its queue and abort the request."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -162,8 +163,9 @@ class Engine:
             params = token_controls(params, self.tokenizer, self.model.cfg.vocab_size)
         if params.prediction is not None or params.prediction_token_ids is not None:
             params = self._with_prediction(params)
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        priority = int(priority)   # numpy's integers too
         params = self._with_eviction(params, fanout)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:   # vLLM's prompt-dict form
             params = params.clone(cache_salt=prompt["cache_salt"])
