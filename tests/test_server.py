@@ -803,6 +803,11 @@ def test_metrics_use_vllm_names(tiny: LoomServer) -> None:
         assert metric(s, f"{histogram}_count", **label) >= 1, histogram
     assert metric(s, "vllm:request_generation_tokens_bucket", le="5.0", **label) >= 1     # 4 tokens
     assert metric(s, "process_resident_memory_bytes") > 0 and metric(s, "vllm:iteration_tokens_total_count", **label) > 0
+    # vLLM's cache settings gauge: the engine process's block count and format, as labels
+    assert metric(s, "vllm:cache_config_info", block_size="16", cache_dtype="float16", num_cpu_blocks="0",
+                  enable_prefix_caching="True", **label) == 1
+    blocks = [k for k in s if k.startswith("vllm:cache_config_info{")][0]
+    assert int(blocks.split('num_gpu_blocks="')[1].split('"')[0]) > 0
 
 
 def test_request_metrics_move_by_what_each_request_did(tiny: LoomServer) -> None:

@@ -110,6 +110,11 @@ class Engine:
         self.groups = RequestGroups(self)  # n > 1 / best_of requests: children sharing KV (engine/groups.py)
         self._ids = itertools.count()
         kv_bytes = num_blocks * bs * ModelRunner.kv_bytes_per_token(self.model.cfg, self.kv_dtype)
+        # vLLM's cache_config_info labels (its "gpu" blocks are the device's: here the KV cache in RAM)
+        self.cache_info = {"block_size": str(bs), "cache_dtype": self.kv_dtype.name,
+                           "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+                           "num_gpu_blocks": str(num_blocks), "num_cpu_blocks": "0",
+                           "kv_cache_memory_bytes": str(kv_bytes)}
         # the cache's pages become resident as blocks are first used: RSS grows toward this over time
         log.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%d tokens, %.2f GB of %s KV cache, paged in as "
                  "first used)", path.name, self.load_seconds, num_blocks, bs, num_blocks * bs, kv_bytes / 1e9,

@@ -120,6 +120,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    cache_info: dict[str, str]      # the KV cache's settings (vLLM's cache_config_info labels)
     max_waiting: int | None
     error: BaseException | None
     restarts: int                   # engines started anew after one died
@@ -177,6 +178,7 @@ class ProcessEngineClient:
             raise
         self._load_seconds = time.monotonic() - started
         self.model_name, self.max_model_len, self.vocab_size = ready.model_name, ready.max_model_len, ready.vocab_size
+        self.cache_info = ready.cache_info
         self._stats = ready.stats
 
     def _spawn(self) -> None:

@@ -174,7 +174,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         _close(ctx, inputs, outputs)
         raise
     outputs.send(encoder.encode(wire.Ready(str(engine.model_name), int(engine.max_model_len),
-                                           int(engine.model.cfg.vocab_size), read_engine_sample(engine))))
+                                           int(engine.model.cfg.vocab_size), read_engine_sample(engine),
+                                           dict(engine.cache_info))))
     try:
         EngineCore(engine, inputs, outputs).run()
     finally:

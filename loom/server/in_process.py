@@ -29,6 +29,7 @@ class InProcessEngineClient:
         self.model_name = str(ae.engine.model_name)
         self.max_model_len = int(ae.engine.max_model_len)
         self.vocab_size = int(ae.engine.model.cfg.vocab_size)
+        self.cache_info = dict(ae.engine.cache_info)
         self.max_waiting = ae.engine.config.scheduler.max_waiting
         self.restarts = 0   # the engine thread is never replaced
 

@@ -120,6 +120,12 @@ class _EngineCollector(Collector):
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         if s.iteration_tokens:
             yield _iteration_histogram(s, labels)
+        info = getattr(self.ae, "cache_info", None) or {}
+        if info:
+            g = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's settings, as labels.",
+                                  labels=[*info, "model_name"])
+            g.add_metric([*info.values(), self.model_name], 1.0)
+            yield g
         yield counter("loom:engine_restarts", "Engine processes started anew after one died (loom serve "
                       "--engine-restarts); the engine counters above start from zero with each.",
                       self.ae.restarts)

@@ -65,6 +65,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     vocab_size: int
     stats: EngineSample
+    cache_info: dict[str, str]     # vLLM's cache_config_info labels (Engine.cache_info)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
