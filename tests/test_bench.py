@@ -729,6 +729,21 @@ def test_spec_bench_rejects_unknown_methods(tiny_llama_path: Path) -> None:
     assert result.exit_code == 1 and "psychic" in result.output and "retrieval" in result.output
 
 
+def test_spec_bench_refuses_a_bad_prompt_file_in_one_line(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """--spec's --prompts file: not JSON, a line without 'turns', not UTF-8, or nothing short
+    enough to measure, each a one-line error naming the file (a traceback before)."""
+    bad = tmp_path / "q.jsonl"
+    for content, words in ((b'{"category": "qa", "turns": ["hi"]}\nnot json\n', "line 2 is not a Spec-Bench"),
+                           (b'{"category": "qa"}\n', "line 1 is not a Spec-Bench"),
+                           (b'\xff\xfe{"category"\n', "cannot read Spec-Bench prompts"),
+                           (b'{"category": "qa", "turns": ["' + b"word " * 2000 + b'"]}\n', "fits in")):
+        bad.write_bytes(content)
+        result = CliRunner().invoke(app, ["bench", "--spec", "--quick", "--model", str(tiny_llama_path),
+                                          "--threads", "1", "--prompts", str(bad)])
+        assert result.exit_code == 1 and words in result.output and str(bad) in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
 def test_spec_bench_gives_retrieval_its_datastore_and_refuses_a_missing_one(tiny_llama_path: Path, prompts_file: Path,
                                                                            tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"

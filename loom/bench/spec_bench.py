@@ -51,22 +51,45 @@ class SpecBenchSettings:
                 if quick else cls())
 
 
-def _prompts(path: Path, tok, s: SpecBenchSettings) -> dict[str, list[list[int]]]:
+def _rows(path: Path) -> list[tuple[str, str]]:
+    """(category, first turn) of every line of a Spec-Bench question.jsonl; a file that is
+    missing, unreadable or not in that shape is a BenchError naming the line."""
     if not path.is_file():
         raise BenchError(f"Spec-Bench prompts not found at {path}; pass --prompts PATH")
-    by_cat: dict[str, list[list[int]]] = defaultdict(list)
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"cannot read Spec-Bench prompts from {path}: {e}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        cat = row["category"]
+        try:
+            row = json.loads(line)
+            category, text = row["category"], row["turns"][0]
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise BenchError(f"{path} line {number} is not a Spec-Bench question (JSON with 'category' and "
+                             f"'turns'): {type(e).__name__}: {e}") from None
+        if not isinstance(category, str) or not isinstance(text, str):
+            raise BenchError(f"{path} line {number}: 'category' and the first of 'turns' must be strings")
+        rows.append((category, text))
+    return rows
+
+
+def _prompts(path: Path, rows: list[tuple[str, str]], tok, s: SpecBenchSettings) -> dict[str, list[list[int]]]:
+    """Up to `prompts_per_category` token-id prompts per category, of at most `prompt_tokens`."""
+    by_cat: dict[str, list[list[int]]] = defaultdict(list)
+    for cat, text in rows:
         if len(by_cat[cat]) < s.prompts_per_category:
-            text = row["turns"][0]   # chat-formatted where the model has a template (Gemma 3's GGUF has none)
+            # chat-formatted where the model has a template (Gemma 3's GGUF has none)
             ids = (tok.encode(text) if tok.chat_template is None else
                    tok.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True))
             if len(ids) <= s.prompt_tokens:
                 by_cat[cat].append(ids)
-    return {c: p for c, p in by_cat.items() if p}
+    kept = {c: p for c, p in by_cat.items() if p}
+    if not kept:
+        raise BenchError(f"no prompt in {path} fits in {s.prompt_tokens} tokens: nothing to measure")
+    return kept
 
 
 class _Run:
@@ -198,11 +221,12 @@ def run_spec_bench(model: str, threads: int, prompts_path: Path, settings: SpecB
     from loom.loader.tokenizer import Tokenizer
     from loom.model.build import load_model
 
+    rows = _rows(prompts_path)   # a bad prompt file is refused before the model loads
     path = resolve_model(model)
     gguf = GGUFFile.open(path)
     tok = Tokenizer.from_gguf(gguf)
+    cats = _prompts(prompts_path, rows, tok, settings)
     weights = load_model(gguf, linear=EngineConfig.create(model, dtype=settings.dtype).load.linear_mode)
-    cats = _prompts(prompts_path, tok, settings)
     budget = dict(block_size=16, num_blocks=4096, max_num_batched_tokens=1024, max_num_seqs=CONCURRENCY)
 
     def engine(spec=None) -> Engine:
