@@ -79,6 +79,29 @@ def test_chat_answer_streams_into_the_page(server_pool, browser) -> None:
     wait.until(lambda d: d.find_element(By.ID, "stat-kv").text.endswith("%"))
     assert browser.find_element(By.ID, "stat-running").text.isdigit()
 
+    # a reload shows the conversation and the settings again (kept in localStorage, as
+    # llama-server's page keeps its chats), and the next turn sends the restored history
+    kept = browser.execute_script("return JSON.parse(localStorage.getItem('loom.chat')).history")
+    assert kept[0] == {"role": "user", "content": "What is the capital of France?"} and kept[1]["content"].strip()
+    assert answer.text.startswith(kept[1]["content"].strip())
+    browser.refresh()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 2)
+    restored = browser.find_elements(By.CSS_SELECTOR, ".msg")
+    assert [m.text for m in restored] == ["What is the capital of France?", kept[1]["content"].strip()]
+    assert browser.find_element(By.ID, "max-tokens").get_attribute("value") == "12"
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    browser.execute_script("window.sent = []; const f = window.fetch; window.fetch = (u, o) => "
+                           "{ if (o && o.body) window.sent.push(JSON.parse(o.body)); return f(u, o); };")
+    browser.find_element(By.ID, "prompt").send_keys("And of Italy?")
+    browser.find_element(By.ID, "send").click()
+    sent = wait.until(lambda d: d.execute_script("return window.sent.length && window.sent[0].messages"))
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"] and sent[0]["content"].startswith("What is")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1].get_attribute("data-state") == "done")
+    browser.find_element(By.ID, "clear").click()   # Clear forgets it: a reload shows an empty chat
+    browser.refresh()
+    wait.until(lambda d: "smollm2-135m" in d.find_element(By.ID, "model-name").text)
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
+
 
 def test_a_model_without_a_chat_template_gets_completion_mode(server_pool, browser) -> None:
     """A base model (no chat template: every chat request is a 400) is continued over
@@ -126,6 +149,8 @@ def test_clear_settings_and_failed_turns(server_pool, browser) -> None:
 
     server = server_pool.get("real")
     browser.get(f"{server.url}/")
+    browser.execute_script("localStorage.clear()")   # no conversation kept from an earlier test
+    browser.refresh()
     wait = WebDriverWait(browser, 90, poll_frequency=0.05)
     wait.until(lambda d: "smollm2-135m" in d.find_element(By.ID, "model-name").text)
     browser.execute_script("window.sent = []; const f = window.fetch; window.fetch = (u, o) => "

@@ -6,13 +6,16 @@
 //
 // Rules: one answer streams at a time; the conversation sent is the visible history (answers
 // that failed or were stopped before any text are left out); text from the model is only
-// ever inserted as text, never as HTML.
+// ever inserted as text, never as HTML. The conversation and the settings are kept in the
+// browser's localStorage (per server address) and shown again after a reload; Clear forgets them.
 "use strict";
 
 (() => {
   const $ = (id) => document.getElementById(id);
   const STATS_INTERVAL_MS = 1000;
   const KEY_STORAGE = "loom.apiKey";  // sessionStorage: forgotten when the tab closes
+  const CHAT_STORAGE = "loom.chat";   // localStorage: the conversation and settings, kept across reloads
+  const SETTINGS = ["system", "max-tokens", "temperature", "top-p"];
 
   const history = [];       // {role, content} of completed turns
   let conversation = 0;     // bumped by Clear: an answer of an earlier conversation adds nothing to this one
@@ -48,6 +51,32 @@
     $("messages").appendChild(el);
     if (follow) el.scrollIntoView({ block: "end" });
     return el;
+  }
+
+  function save() {
+    try {
+      const settings = Object.fromEntries(SETTINGS.map((id) => [id, $(id).value]));
+      localStorage.setItem(CHAT_STORAGE, JSON.stringify({ history, settings }));
+    } catch (_) { /* storage full or turned off: the page works without it */ }
+  }
+
+  // The saved conversation and settings, shown as they were; anything not in their shape is
+  // dropped (storage other code or an older page wrote).
+  function restore() {
+    let saved = null;
+    try { saved = JSON.parse(localStorage.getItem(CHAT_STORAGE) || "null"); } catch (_) { /* unreadable */ }
+    if (!saved || typeof saved !== "object") return;
+    const settings = saved.settings || {};
+    for (const id of SETTINGS) if (typeof settings[id] === "string") $(id).value = settings[id];
+    const turns = Array.isArray(saved.history) ? saved.history : [];
+    for (let i = 0; i + 1 < turns.length; i += 2) {   // user and assistant turns in pairs
+      const [asked, answered] = [turns[i], turns[i + 1]];
+      if (!asked || !answered || asked.role !== "user" || answered.role !== "assistant"
+          || typeof asked.content !== "string" || typeof answered.content !== "string") break;
+      history.push({ role: "user", content: asked.content }, { role: "assistant", content: answered.content });
+      addMessage("user", asked.content);
+      addMessage("assistant", answered.content).dataset.state = "done";
+    }
   }
 
   function addMeta(el, text) {
@@ -212,7 +241,10 @@
         showRate();
       }
       bubble.dataset.state = "done";
-      if (mine === conversation) history.push(turn, { role: "assistant", content: answer });
+      if (mine === conversation) {
+        history.push(turn, { role: "assistant", content: answer });
+        save();
+      }
       const seconds = (performance.now() - started) / 1000;
       addMeta(bubble, `${tokens} ${tokens === 1 ? "token" : "tokens"} in ${seconds.toFixed(1)} s · ${finish || "done"}`);
       setStatus("");
@@ -220,7 +252,10 @@
       const stopped = err.name === "AbortError";
       bubble.dataset.state = stopped ? "stopped" : "error";
       if (stopped) {
-        if (answer && mine === conversation) history.push(turn, { role: "assistant", content: answer });
+        if (answer && mine === conversation) {
+          history.push(turn, { role: "assistant", content: answer });
+          save();
+        }
         addMeta(bubble, "stopped");
         if (mine === conversation) setStatus("stopped");
       } else {
@@ -283,11 +318,14 @@
     conversation += 1;   // the answer being stopped belongs to the conversation cleared
     if (controller) controller.abort();
     history.length = 0;
+    save();
     $("messages").replaceChildren();
     for (const id of ["stat-ttft", "stat-tps"]) $(id).textContent = "–";
     $("stat-answer-tokens").textContent = "0";
     setStatus("");
   });
+  for (const id of SETTINGS) $(id).addEventListener("change", save);
+  restore();
   $("api-key").value = sessionStorage.getItem(KEY_STORAGE) || "";
   $("api-key").addEventListener("change", () => {
     sessionStorage.setItem(KEY_STORAGE, $("api-key").value.trim());
