@@ -274,6 +274,8 @@ def test_routing_text_of_completions_chat_and_responses():
     assert routing_text(b'{"input": "hi", "instructions": "be brief"}') == ("<system>be brief<user>hi", False)
     assert routing_text(b'{"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}') == \
         ("<user>hi", False)
+    assert routing_text(b'{"system": [{"type": "text", "text": "be brief"}], "stream": true, '   # Anthropic's
+                        b'"messages": [{"role": "user", "content": "hi"}]}') == ("<system>be brief<user>hi", True)
     assert routing_text(b"{not json") == ("", False)
     assert routing_text(b'[1, 2]') == ("", False)
 
@@ -552,3 +554,21 @@ def test_a_replica_that_cannot_load_reports_the_model_error(tiny_llama_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[-1]] and "a replica could not load the model: RegistryError" in errors[0], result.stderr
     assert "/nonexistent/draft.gguf" in errors[0] and "Traceback" not in result.stderr
+
+
+def test_ingress_takes_the_key_as_bearer_or_x_api_key():
+    """The ingress' own routes (/v1/loom/stats, /v1/loom/replicas) take the key as the replicas
+    do: Authorization: Bearer or Anthropic's x-api-key."""
+    from starlette.requests import Request
+
+    from loom.cluster.ingress import _unauthorized
+
+    def request(**headers: str) -> Request:
+        return Request({"type": "http", "method": "GET", "path": "/v1/loom/stats",
+                        "headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]})
+
+    assert _unauthorized(request(authorization="Bearer k"), "k") is None
+    assert _unauthorized(request(x_api_key="k"), "k") is None
+    for bad in (request(), request(x_api_key="nope"), request(authorization="Bearer nope")):
+        assert _unauthorized(bad, "k").status_code == 401
+    assert _unauthorized(request(), None) is None

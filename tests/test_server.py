@@ -692,6 +692,10 @@ def test_api_key_guards_v1_only(strict: LoomServer) -> None:
     assert bad_body.status_code == 401 and bad_body.headers["www-authenticate"] == "Bearer"
     assert httpx.post(f"{strict.url}/tokenize", json={"prompt": "hi"}).status_code == 401
     assert httpx.post(f"{strict.url}/tokenize", json={"prompt": "hi"}, headers=strict.headers()).status_code == 200
+    # llama-server's routes and Anthropic's header for the key
+    assert httpx.post(f"{strict.url}/completion", json={"prompt": "hi", "n_predict": 1}).status_code == 401
+    assert httpx.get(f"{strict.url}/props").status_code == 401
+    assert httpx.get(f"{strict.url}/props", headers={"x-api-key": strict.api_key}).status_code == 200
     assert httpx.head(f"{strict.url}/health").status_code == httpx.get(f"{strict.url}/ping").status_code == 200
 
 
@@ -921,7 +925,8 @@ def test_tokenizer_endpoints(tiny: LoomServer) -> None:
     r = httpx.post(f"{tiny.url}/tokenize", json={"prompt": "the cat sat", "add_special_tokens": False,
                                                   "return_token_strs": True}).json()
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) > 0
-    assert httpx.post(f"{tiny.url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "the cat sat"}
+    assert httpx.post(f"{tiny.url}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "the cat sat",
+                                                                                      "content": "the cat sat"}
     chat = httpx.post(f"{tiny.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > r["count"] - 3
     # with tools: the prompt a chat request with those tools gets, as its usage counts it

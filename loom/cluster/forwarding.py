@@ -54,7 +54,8 @@ def _text_of(content: Any) -> str:
 
 
 def routing_text(body: bytes) -> tuple[str, bool]:
-    """(the leading text of a completions/chat/responses request's prompt, whether it asks for a stream);
+    """(the leading text of a completions/chat/responses/messages request's prompt (llama-server's
+    /completion's too), whether it asks for a stream);
     ('', False) for anything else (the replica answers what it is)."""
     try:
         data = json.loads(body)
@@ -69,6 +70,8 @@ def routing_text(body: bytes) -> tuple[str, bool]:
         instructions = data.get("instructions")
         system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
         messages = system + given
+    if isinstance(messages, list) and data.get("system") is not None:   # Anthropic's Messages API
+        messages = [{"role": "system", "content": data["system"]}, *messages]
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]                         # a batch: route by its first prompt
     if isinstance(prompt, str):

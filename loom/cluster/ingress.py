@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from loom.cluster.forwarding import ForwardedRequest, ResponseStart, routing_tex
 from loom.cluster.metrics import cluster_exposition
 from loom.cluster.registry import routers_of
 from loom.server.errors import ENGINE_RETRY_AFTER_SECONDS, error_response
-from loom.server.limits import BodySizeLimit, Cors
+from loom.server.limits import KEY_MESSAGE, BodySizeLimit, Cors, has_key
 from loom.server.sse import DONE, event
 
 log = logging.getLogger("loom.cluster")
@@ -218,11 +217,11 @@ def _unauthorized(request: Request, api_key: str | None) -> Response | None:
     """The replicas' 401 for a request without the API key (None when it may pass)."""
     if api_key is None:
         return None
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), api_key.encode()):
+    if has_key(request.headers.get("authorization", "").encode(), request.headers.get("x-api-key", "").encode(),
+               api_key.encode()):
         return None
-    return error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                          type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return error_response(401, KEY_MESSAGE, type="authentication_error", code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
 
 
 _SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",

@@ -122,6 +122,7 @@ class EngineClient(Protocol):
     vocab_size: int
     cache_info: dict[str, str]      # the KV cache's settings (vLLM's cache_config_info labels)
     max_waiting: int | None
+    max_num_seqs: int               # sequences the engine runs at once
     error: BaseException | None
     restarts: int                   # engines started anew after one died
 
@@ -151,7 +152,7 @@ class ProcessEngineClient:
 
     def __init__(self, config: EngineConfig, log_level: str = "info", restarts: int = DEFAULT_ENGINE_RESTARTS):
         self._args = (config, log_level)
-        self.max_waiting = config.scheduler.max_waiting
+        self.max_waiting, self.max_num_seqs = config.scheduler.max_waiting, config.scheduler.max_num_seqs
         self._max_restarts = restarts
         self._restart_times: list[float] = []
         self.restarts = 0                   # engine processes started after the first

@@ -183,8 +183,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = e.detail if isinstance(e.detail, str) else str(e.detail)
         if e.status_code == 404 and message == "Not Found":
             message = (f"Invalid URL ({request.method} {request.url.path}): this server has no such endpoint "
-                       "(it serves /v1/completions, /v1/chat/completions, /v1/responses, /v1/models and "
-                       "vLLM's /tokenize, /detokenize; see /docs)")
+                       "(it serves /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/models, "
+                       "vLLM's /tokenize, /detokenize and llama-server's /completion, /props; see /docs)")
             return error_response(404, message, type=INVALID_REQUEST, code="unknown_url")
         elif e.status_code == 400 and message == _FASTAPI_BODY_PARSE_ERROR:   # not UTF-8, or too deep for the parser
             return error_response(400, "malformed JSON body: it is not UTF-8 JSON text, or it nests arrays and "

@@ -31,6 +31,7 @@ class InProcessEngineClient:
         self.vocab_size = int(ae.engine.model.cfg.vocab_size)
         self.cache_info = dict(ae.engine.cache_info)
         self.max_waiting = ae.engine.config.scheduler.max_waiting
+        self.max_num_seqs = ae.engine.config.scheduler.max_num_seqs
         self.restarts = 0   # the engine thread is never replaced
 
     @property

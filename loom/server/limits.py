@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loom.server.anthropic import anthropic_error_response, is_anthropic_path
 from loom.server.errors import error_response
 
 
@@ -60,13 +61,27 @@ class RequestIds:
         await self.app(scope, receive, named)
 
 
-class BearerKey:
-    """--api-key: a request to the API (``/v1/...`` and vLLM's tokenizer routes) without the
-    key is a 401 before its body is read, as vLLM's middleware answers it (FastAPI reads the
-    body before the routes' own check, so a malformed body got a 400 first). /health,
-    /metrics, /version and the playground stay open; CORS preflights pass."""
+KEY_MESSAGE = "invalid or missing API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
 
-    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
+
+def has_key(authorization: bytes, x_api_key: bytes, key: bytes) -> bool:
+    """Whether a request's headers carry the server's key: ``Authorization: Bearer <key>`` (the
+    OpenAI clients') or ``x-api-key: <key>`` (Anthropic's)."""
+    scheme, _, given = authorization.partition(b" ")
+    return ((scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), key))
+            or secrets.compare_digest(x_api_key.strip(), key))
+
+
+class BearerKey:
+    """--api-key: a request to the API (``/v1/...``, vLLM's tokenizer routes, llama-server's
+    ``/completion`` and ``/props``) without the key is a 401 before its body is read, as vLLM's
+    middleware answers it (FastAPI reads the body before the routes' own check, so a malformed
+    body got a 400 first). The key comes as
+    ``Authorization: Bearer <key>`` or, as Anthropic's clients send it, ``x-api-key: <key>``;
+    the 401 of an Anthropic route has Anthropic's error shape. /health, /metrics, /version and
+    the playground stay open; CORS preflights pass."""
+
+    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/completion", "/props")   # llama-server's too
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -77,13 +92,15 @@ class BearerKey:
                 or not (scope["path"] + "/").startswith(self.PATHS)):
             await self.app(scope, receive, send)
             return
-        scheme, _, given = dict(scope.get("headers") or []).get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self.key):
+        headers = dict(scope.get("headers") or [])
+        if has_key(headers.get(b"authorization", b""), headers.get(b"x-api-key", b""), self.key):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                                  type="authentication_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+        if is_anthropic_path(scope["path"]):
+            response = anthropic_error_response(401, KEY_MESSAGE, headers={"WWW-Authenticate": "Bearer"})
+        else:
+            response = error_response(401, KEY_MESSAGE, type="authentication_error", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 
@@ -143,8 +160,12 @@ class BodySizeLimit:
         await self.app(scope, _replay([whole], receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, f"request body is larger than the limit of {self.max_body_bytes} bytes",
-                                  code="request_too_large", headers={"Connection": "close"})
+        message = f"request body is larger than the limit of {self.max_body_bytes} bytes"
+        headers = {"Connection": "close"}
+        if is_anthropic_path(scope["path"]):
+            response = anthropic_error_response(413, message, headers=headers)
+        else:
+            response = error_response(413, message, code="request_too_large", headers=headers)
         await response(scope, receive, send)
 
 

@@ -42,6 +42,8 @@ from loom.errors import EngineDeadError, EngineRestartingError, LoomError, Token
 from loom.loader.chat_messages import message_dicts, with_tools
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
+from loom.server.anthropic import AnthropicServing, anthropic_router
+from loom.server.anthropic_protocol import MessageStreamEvent
 from loom.server.choices import ChoiceGroup, fan_out, plan_loom
 from loom.server.engine_client import EngineClient, off_loop
 from loom.server.errors import (
@@ -51,6 +53,8 @@ from loom.server.errors import (
     install_error_handlers,
     retry_headers,
 )
+from loom.server.llamacpp import LlamaCppServing, llama_tokenize, llamacpp_router
+from loom.server.llamacpp_protocol import LlamaTokenizeRequest, LlamaTokenizeResponse, TokenizeBody
 from loom.server.limits import BearerKey, BodySizeLimit, Cors, HeadAsGet, RequestIds
 from loom.server.logprobs import Spelling, TextCursor, chat_logprobs, completion_logprobs, finite, token_name
 from loom.server.metrics import ServerMetrics, sample_engine
@@ -817,7 +821,8 @@ class OpenAIServing:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary (0 .. {self.ae.vocab_size - 1})",
                            param="tokens", code="invalid_value")
-        return DetokenizeResponse(prompt=self.ae.tokenizer.decode(body.tokens))
+        text = self.ae.tokenizer.decode(body.tokens)
+        return DetokenizeResponse(prompt=text, content=text)
 
     def tokenizer_info(self) -> TokenizerInfoResponse:
         tok = self.ae.tokenizer
@@ -960,12 +965,15 @@ def build_app(ae: EngineClient, *, api_key: str | None = None, served_model_name
     app.include_router(_v1_router(serving, api_key))
     app.include_router(_responses_router(serving, api_key))
     app.include_router(_tokenizer_router(serving, api_key))
+    app.include_router(_llamacpp_router(serving, api_key))
+    app.include_router(anthropic_router(AnthropicServing(serving), [Depends(_BEARER)] if api_key else [],
+                                        bool(api_key)))
     _add_service_routes(app, ae, metrics)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     if cors is not None:
         cors.install(app)
-    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent], model=name,
-                    vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
+    _finish_openapi(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent, MessageStreamEvent],
+                    model=name, vocab_size=ae.vocab_size, max_tokens_limit=max_tokens_limit)
     return app
 
 
@@ -1012,15 +1020,25 @@ def _responses_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     return responses_router(ResponsesServing(serving), auth, gen_errors, _sse_doc("ResponseStreamEvent"))
 
 
+def _llamacpp_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+    """llama-server's /completion and /props at the root (see llamacpp.py)."""
+    auth = [Depends(_BEARER)] if api_key else []
+    gen_errors = {**_GENERATE_ERRORS, **({401: _ERRORS} if api_key else {})}
+    return llamacpp_router(LlamaCppServing(serving), auth, {**_sse_doc("LlamaCompletionResponse"), **gen_errors})
+
+
 def _tokenizer_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
     """vLLM's tokenizer routes at the root: /tokenize, /detokenize, /tokenizer_info."""
     auth = [Depends(_BEARER)] if api_key else []
     errors = {**_V1_ERRORS, 404: _ERRORS, **({401: _ERRORS} if api_key else {})}   # 404: another model named
     router = APIRouter(dependencies=auth)
 
-    @router.post("/tokenize", response_model=TokenizeResponse, responses=errors)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        """Token ids of a prompt, or of a conversation as the chat template renders it."""
+    @router.post("/tokenize", response_model=TokenizeResponse | LlamaTokenizeResponse, responses=errors)
+    async def tokenize(body: TokenizeBody) -> TokenizeResponse | LlamaTokenizeResponse:
+        """Token ids of a prompt, or of a conversation as the chat template renders it; of a
+        `content` text in llama-server's shape."""
+        if isinstance(body, LlamaTokenizeRequest):
+            return await llama_tokenize(serving.ae.tokenizer, body)
         return await serving.tokenize(body)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors)

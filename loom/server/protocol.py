@@ -666,7 +666,11 @@ class DetokenizeRequest(_Request):
 
 
 class DetokenizeResponse(_Response):
+    """vLLM's ``prompt``; the same text as ``content``, the field llama-server's clients read
+    (both send the same request: only the answer's field tells them apart)."""
+
     prompt: str
+    content: str
 
 
 class TokenizerInfoResponse(_Response):
