@@ -48,6 +48,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache (vLLM's): the next prompts are computed in full, as in a fresh
+        engine (e.g. to time prefill again). False while requests are running."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams a request without its own gets (vLLM's; GGUF files carry no
         generation config, so these are SamplingParams' defaults)."""

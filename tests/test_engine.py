@@ -1437,3 +1437,24 @@ def test_vllm_sampling_fields_output_kind_and_numpy_scalars(make_tiny):
     rid = engine.add_request("hello", params, priority=np.int64(3))
     assert engine.scheduler.waiting[0].priority == 3 and type(engine.scheduler.waiting[0].priority) is int
     engine.abort(rid)
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_in_full(make_tiny):
+    """LLM.reset_prefix_cache (vLLM's): a repeated prompt hits the cache, and after a reset it is
+    computed again from its first token; refused while a request holds blocks."""
+    from loom.llm import LLM
+
+    llm = LLM.from_engine(make_tiny())
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
+    rid = llm.engine.add_request(prompt, params)
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False
+    llm.engine.abort(rid)
+    assert llm.reset_prefix_cache() is True
+    fresh = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.engine.kv.pool.check_integrity()

@@ -380,6 +380,11 @@ class Engine:
         raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, "
                                   f"got {type(prompt).__name__}")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt block (vLLM's), so the next prompts are computed in full;
+        False, changing nothing, while a request holds blocks."""
+        return self.kv.pool.reset_prefix_cache()
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Ends a request now and frees its KV blocks; returns its last outputs (finish_reason
         'abort'): one, or one per choice it ended for an n > 1 request; none for an unknown id."""
