@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loom.config import EngineConfig
+from loom.contracts import ITERATION_BUCKETS
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.loader.chat_messages import message_dicts, tool_list, with_tools
@@ -19,6 +21,51 @@ from loom.sampling_params import BeamSearchParams, SamplingParams
 PROGRESS_MIN_PROMPTS = 8  # shorter batches finish before a bar is worth drawing
 _GENERATION_ONLY = ("LLM.{} is vLLM's API for pooling (embedding, classification, reward) models; loom runs "
                     "generative models only")
+
+
+@dataclass
+class Metric:
+    """One series of `LLM.get_metrics` (vLLM's `vllm.v1.metrics.reader` shapes): its name as
+    /metrics gives it (counters without ``_total``) and its labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Vector(Metric):
+    """Counters by position (speculative decoding's accepted tokens per draft depth)."""
+
+    values: list[int]
+
+
+@dataclass
+class Histogram(Metric):
+    """Cumulative bucket counts by upper bound (as strings, "+Inf" last), their count and sum."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+def _cumulative(per_bucket: Sequence[int]) -> dict[str, int]:
+    """Per-bucket step counts (ITERATION_BUCKETS, then one above) as Prometheus' cumulative buckets."""
+    bounds = [*(str(float(b)) for b in ITERATION_BUCKETS), "+Inf"]
+    running, out = 0, {}
+    for bound, n in zip(bounds, per_bucket):
+        running += n
+        out[bound] = running
+    return out
 
 
 def _no_lora(lora_request) -> None:
@@ -47,6 +94,31 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now, under /metrics' names (vLLM's `get_metrics`):
+        requests running and waiting, KV cache usage, preemptions, prompt and generated tokens,
+        prefix-cache queries and hits, tokens per step, and speculative decoding's counts."""
+        engine, labels = self.engine, {"model_name": str(self.engine.model_name), "engine": "0"}
+        s, kv = engine.scheduler.stats, engine.kv
+        out: list[Metric] = [
+            Gauge("vllm:num_requests_running", labels, len(engine.scheduler.running)),
+            Gauge("vllm:num_requests_waiting", labels, len(engine.scheduler.waiting)),
+            Gauge("vllm:kv_cache_usage_perc", labels, float(kv.usage())),
+            Counter("vllm:num_preemptions", labels, s.num_preemptions),
+            Counter("vllm:prompt_tokens", labels, s.prompt_tokens),
+            Counter("vllm:generation_tokens", labels, s.generation_tokens),
+            Counter("vllm:prefix_cache_queries", labels, kv.stats.prefix_cache_queries),
+            Counter("vllm:prefix_cache_hits", labels, kv.stats.prefix_cache_hits),
+            Histogram("vllm:iteration_tokens_total", labels, sum(s.iteration_tokens), s.iteration_tokens_sum,
+                      _cumulative(s.iteration_tokens))]
+        if engine.spec is not None:
+            st = engine.spec.stats
+            out += [Counter("vllm:spec_decode_num_drafts", labels, st.num_drafts),
+                    Counter("vllm:spec_decode_num_draft_tokens", labels, st.num_draft_tokens),
+                    Counter("vllm:spec_decode_num_accepted_tokens", labels, st.num_accepted_tokens),
+                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, list(st.accepted_per_pos))]
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache (vLLM's): the next prompts are computed in full, as in a fresh

@@ -1458,3 +1458,22 @@ def test_reset_prefix_cache_makes_the_next_prompt_compute_in_full(make_tiny):
     fresh = llm.generate(prompt, params, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
     llm.engine.kv.pool.check_integrity()
+
+
+def test_llm_get_metrics_names_the_engine_counters_as_vllm(make_tiny):
+    """LLM.get_metrics (vLLM's reader shapes): the counters move with the work done, under
+    /metrics' names; the step histogram's buckets are cumulative."""
+    from loom.llm import LLM, Counter, Gauge, Histogram
+
+    llm = LLM.from_engine(make_tiny())
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    llm.generate([prompt, prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(metrics["vllm:num_requests_running"], Gauge) and metrics["vllm:num_requests_running"].value == 0
+    generated = metrics["vllm:generation_tokens"]
+    assert isinstance(generated, Counter) and generated.value == 6 and generated.labels["engine"] == "0"
+    assert metrics["vllm:prompt_tokens"].value > 0 and metrics["vllm:prefix_cache_queries"].value > 0
+    steps = metrics["vllm:iteration_tokens_total"]
+    assert isinstance(steps, Histogram) and steps.count >= 3 and steps.buckets["+Inf"] == steps.count
+    assert list(steps.buckets.values()) == sorted(steps.buckets.values())
+    assert "vllm:spec_decode_num_drafts" not in metrics   # speculation off
