@@ -1,7 +1,8 @@
 """llama-server's native endpoints (`POST /completion`, `GET /props`, llama.cpp's shape of
 `/tokenize`) against a real `loom serve` of smollm2-135m: the answer fields llama.cpp's clients
 read, a stream that joins to the answer without streaming, stop words and limits, token
-probabilities, token-id prompts, and knobs loom lacks refused by name."""
+probabilities, token-id prompts, response_fields, llama-server's field aliases, and knobs loom
+lacks refused by name."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def test_the_stream_joins_to_the_answer_without_streaming(server: LoomServer) ->
     assert last["stop"] is True and last["content"] == ""
     assert last["stop_type"] == whole["stop_type"] and last["tokens_predicted"] == whole["tokens_predicted"]
     assert "timings" in last and "generation_settings" in last
+    settings = last["generation_settings"]
+    assert settings["adaptive_target"] == -1 and settings["adaptive_decay"] == 0.9, "llama.cpp's adaptive-p: off"
+
+
+def test_response_fields_keep_the_fields_they_name(server: LoomServer) -> None:
+    fields = ["content", "generation_settings/n_predict", "timings/predicted_n", "prompt", "no/such"]
+    whole = complete(server, prompt=PROMPT, n_predict=5, temperature=0)
+    picked = complete(server, prompt=PROMPT, n_predict=5, temperature=0, response_fields=fields)
+    assert picked == {"content": whole["content"], "generation_settings/n_predict": 5, "timings/predicted_n": 5,
+                      "prompt": PROMPT}, "a path that is not there is left out"
+    *parts, last = stream(server, prompt=PROMPT, n_predict=5, temperature=0, response_fields=["stop_type", "tokens"])
+    assert last == {"stop_type": "limit", "tokens": []}, "streamed, the last event is picked"
+    assert all(e["stop"] is False and "tokens_predicted" in e for e in parts), "the others are whole"
 
 
 def test_a_stop_word_ends_the_completion_and_is_named(server: LoomServer) -> None:
@@ -120,6 +134,16 @@ def test_a_grammar_and_n_predict_zero(server: LoomServer) -> None:
     assert scored["content"] == "" and scored["tokens_predicted"] == 0 and scored["tokens_evaluated"] > 0
 
 
+def test_llama_servers_aliases_name_their_fields(server: LoomServer) -> None:
+    for alias in ("max_tokens", "max_completion_tokens"):
+        out = complete(server, prompt=PROMPT, temperature=0, logprobs=2, **{alias: 3})
+        assert out["tokens_predicted"] == 3 and out["generation_settings"]["n_predict"] == 3
+        assert [len(p["top_logprobs"]) for p in out["completion_probabilities"]] == [2, 2, 2]
+    assert complete(server, prompt=PROMPT, n_predict=2, max_tokens=2)["tokens_predicted"] == 2
+    r = httpx.post(f"{server.url}/completion", json={"prompt": PROMPT, "n_predict": 4, "max_tokens": 3}, timeout=30)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], "two values of one field"
+
+
 def test_props(server: LoomServer) -> None:
     props = httpx.get(f"{server.url}/props", timeout=10).json()
     card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
@@ -128,7 +152,9 @@ def test_props(server: LoomServer) -> None:
     assert params["n_predict"] == -1 and params["temperature"] == 0.8 and params["top_k"] == 40
     assert props["total_slots"] == SLOTS
     assert props["model_path"].endswith(".gguf") and props["model_alias"] == "smollm2-135m"
-    assert "{%" in props["chat_template"] and props["modalities"]["vision"] is False
+    assert "{%" in props["chat_template"]
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert (props["bos_token"], props["eos_token"]) == ("<|im_start|>", "<|im_end|>")   # the GGUF's, as llama-server's
     assert props["build_info"].startswith("loom ")
 
 
@@ -147,6 +173,7 @@ def test_tokenize_in_both_shapes(server: LoomServer) -> None:
     ("/completion", {"prompt": "x", "typical_p": 0.5}, "typical_p"),
     ("/completion", {"prompt": "x", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "x", "dry_multiplier": 0.8}, "dry_multiplier"),
+    ("/completion", {"prompt": "x", "adaptive_target": 0.5}, "adaptive_target"),
     ("/completion", {"prompt": "x", "n_cmpl": 2}, "n_cmpl"),
     ("/completion", {"prompt": "x", "samplers": ["top_k", "top_p", "min_p", "temperature"]}, "samplers"),
     ("/completion", {"prompt": "x", "repeat_penalty": 1.1, "repeat_last_n": 64}, "repeat_last_n"),

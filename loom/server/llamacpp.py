@@ -9,7 +9,8 @@ llama-server writes them: ``content``, ``stop_type`` (eos, limit, word), ``stopp
 ``tokens_predicted`` / ``tokens_evaluated`` / ``tokens_cached``, ``timings`` and, with
 `n_probs`, ``completion_probabilities``. Streamed, each event is ``data: {...}`` with the new
 text as ``content`` and ``stop: false``; the last has ``stop: true`` and the summary fields
-(no ``[DONE]`` follows, as with llama-server).
+(no ``[DONE]`` follows, as with llama-server). `response_fields` keeps only the fields it names
+in the answer (streamed, in the last event), as llama-server's does.
 
 Rules where loom and llama.cpp differ:
 
@@ -20,8 +21,8 @@ Rules where loom and llama.cpp differ:
   `repeat_penalty` over the prompt and the output and the presence and frequency penalties
   over the output; 0 turns them off, as in llama.cpp; another window is a 400 while a penalty
   is on;
-* llama.cpp's other samplers (typical_p, Mirostat, DRY, XTC, dynamic temperature, top-n-sigma)
-  are accepted only at their off values, and every other knob loom lacks is a 400 naming it;
+* llama.cpp's other samplers (typical_p, Mirostat, DRY, XTC, dynamic temperature, top-n-sigma,
+  adaptive-p) are accepted only at their off values, and every other knob loom lacks is a 400 naming it;
 * one prompt per request: a list of prompts (llama.cpp's batch form) is a 400;
 * the context is never shifted: generation stops at its end (`truncated: true`).
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 import loom
 from loom.errors import InvalidRequestError, LoomError, TokenizerError
@@ -72,6 +74,7 @@ _OFF_KNOBS = (
     ("dry_multiplier", lambda v: v == 0, "0 (off): loom has no DRY penalty"),
     ("xtc_probability", lambda v: v <= 0, "0 (off): loom has no XTC sampling"),
     ("top_n_sigma", lambda v: v <= 0, "-1 (off): loom has no top-n-sigma sampling"),
+    ("adaptive_target", lambda v: v < 0, "negative (off): loom has no adaptive-p sampling"),
     ("min_keep", lambda v: v == 0, "0: loom's samplers keep no minimum of tokens"),
     ("n_indent", lambda v: v == 0, "0: loom has no indentation stop"),
     ("t_max_predict_ms", lambda v: v == 0, "0: loom has no time limit on generation"),
@@ -245,7 +248,8 @@ class LlamaCppServing:
         if body.stream:
             return await s.open_stream(group, request, self._events(group, body, score_only))
         [out] = await s.collect(group, request)
-        return self._final(out, body, score_only, streamed=False)
+        answer = self._final(out, body, score_only, streamed=False)
+        return JSONResponse(pick_fields(body.response_fields, _dump(answer))) if body.response_fields else answer
 
     async def _prompt(self, prompt: str | list) -> str | list[int]:
         """One prompt: text as is (the engine tokenizes it), token ids, or both mixed (each text
@@ -316,7 +320,8 @@ class LlamaCppServing:
                     sent = len(c.token_ids)
                     yield event(chunk.model_dump(exclude_none=True))
                 if out.finished:
-                    yield event(self._final(out, body, score_only, streamed=True).model_dump(exclude_none=True))
+                    last = _dump(self._final(out, body, score_only, streamed=True))
+                    yield event(pick_fields(body.response_fields, last) if body.response_fields else last)
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
@@ -331,7 +336,28 @@ class LlamaCppServing:
             default_generation_settings=DefaultSettings(n_ctx=self.ae.max_model_len, params=params),
             total_slots=self.ae.max_num_seqs, model_path=str(model_path(self.ae.model_name)),
             model_alias=self.serving.model, chat_template=self.ae.tokenizer.chat_template or "",
-            modalities={"vision": False, "audio": False}, build_info=f"loom {loom.__version__}")
+            modalities={"vision": False, "video": False, "audio": False}, bos_token=self.ae.tokenizer.bos_token or "",
+            eos_token=self.ae.tokenizer.eos_token or "", build_info=f"loom {loom.__version__}")
+
+
+def _dump(answer: LlamaCompletionResponse) -> dict[str, Any]:
+    """An answer as the route writes it (no null fields)."""
+    return answer.model_dump(mode="json", exclude_none=True)
+
+
+def pick_fields(paths: Sequence[str], answer: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's `response_fields`: each path's value under the path itself ("a/b" is b of
+    the object a); a path that is not there is left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 async def llama_tokenize(tok, body: LlamaTokenizeRequest) -> LlamaTokenizeResponse:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag
+from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from loom.sampling_params import MAX_LOGPROBS
 from loom.server.protocol import Seed, TokenId, TokenizeRequest, _integral, _Request, _Response
@@ -31,11 +31,34 @@ SAMPLER_NAMES = {"penalties": "penalties", "dry": "dry", "top_n_sigma": "top_n_s
                  "min_p": "min_p", "xtc": "xtc", "temperature": "temperature", "temp": "temperature"}
 # the order loom's sampler applies the ones it has (loom/sample/sampler.py)
 LOOM_CHAIN = ["penalties", "temperature", "top_k", "min_p", "top_p"]
+# llama-server's other names of /completion fields: alias -> the field
+ALIASES = {"max_tokens": "n_predict", "max_completion_tokens": "n_predict", "logprobs": "n_probs"}
 
 
 class LlamaCompletionRequest(_Request):
     """llama-server's ``POST /completion``. Defaults are llama-server's, except `samplers`: the
     chain loom runs (see llamacpp.py for which orders it honours)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        """llama-server's aliases (max_tokens and max_completion_tokens for n_predict, logprobs for
+        n_probs) are read as the field; two names of one field with different values are a 400."""
+        if not isinstance(data, dict) or not any(a in data for a in ALIASES):
+            return data
+        data, given = dict(data), {}
+        for name in ("n_predict", "n_probs"):
+            if data.get(name) is not None:
+                given[name] = name
+        for alias, name in ALIASES.items():
+            value = data.pop(alias, None)
+            if value is None:
+                continue
+            if name in data and data[name] != value:
+                raise ValueError(f"{alias} is llama-server's other name of {name}: {given[name]} gives "
+                                 f"{data[name]!r}, {alias} {value!r}; give one")
+            data[name], given[name] = value, alias
+        return data
 
     prompt: Prompt = Field(description="Text, token ids, or text and ids mixed (text parts tokenized in place; "
                                        "a BOS only where the first part is text).")
@@ -66,6 +89,10 @@ class LlamaCompletionRequest(_Request):
     logit_bias: list[list[Any]] | dict[str, float] | None = Field(
         None, description="[[token id, bias], ...] or {\"token id\": bias}; biases in [-100, 100].")
     samplers: list[str] = Field(default_factory=lambda: list(LOOM_CHAIN))
+    response_fields: list[str] = Field(
+        default_factory=list, description="Answer with these fields only (the last event, streamed); a/b names b "
+                                          "of the object a, moved to the top as \"a/b\"; a path that is not there "
+                                          "is left out.")
     n_keep: Int = Field(0, ge=-1, description="Accepted: loom never shifts the context (it stops at its end).")
     # llama.cpp samplers loom does not have: their off values only (checked in llamacpp.py)
     dynatemp_range: float = 0.0
@@ -73,6 +100,7 @@ class LlamaCompletionRequest(_Request):
     dry_multiplier: float = 0.0
     xtc_probability: float = 0.0
     top_n_sigma: float = -1.0
+    adaptive_target: float = Field(-1.0, description="Negative only: loom has no adaptive-p sampling.")
     min_keep: Int = 0
     n_indent: Int = 0
     t_max_predict_ms: Int = 0
@@ -89,11 +117,12 @@ class LlamaCompletionRequest(_Request):
     dry_penalty_last_n: Int = -1
     dry_sequence_breakers: list[str] = Field(default_factory=lambda: ["\n", ":", "\"", "*"])
     xtc_threshold: float = 0.1
+    adaptive_decay: float = 0.9
 
 
 # What generation_settings echoes: the request's settings, less the prompt and the per-call fields.
 NOT_SETTINGS = frozenset({"prompt", "model", "json_schema", "logit_bias", "return_tokens", "cache_prompt", "lora",
-                          "id_slot", "return_progress"})
+                          "id_slot", "return_progress", "response_fields"})
 
 
 def generation_settings(body: LlamaCompletionRequest) -> dict[str, Any]:
@@ -150,7 +179,8 @@ class LlamaCompletionResponse(_Response):
     truncated: bool | None = None
     stop_type: str | None = Field(None, description="eos, limit (n_predict or the context's end), word, or none.")
     stopping_word: str | None = None
-    tokens_cached: int | None = None
+    tokens_cached: int | None = Field(None, description="Prompt tokens read from the prefix cache (timings' "
+                                                        "cache_n), as llama.cpp's README defines it.")
     timings: Timings | None = None
     completion_probabilities: list[TokenProbs] | None = None
 
@@ -168,7 +198,9 @@ class PropsResponse(_Response):
     model_path: str
     model_alias: str
     chat_template: str
-    modalities: dict[str, bool]
+    modalities: dict[str, bool] = Field(description="vision, video, audio: false (loom's models read text).")
+    bos_token: str = Field(description="The BOS token's text (\"\" where the model has none).")
+    eos_token: str = Field(description="The EOS token's text (\"\" where the model has none).")
     build_info: str
     is_sleeping: bool = False
 
