@@ -22,7 +22,6 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -50,7 +49,7 @@ from loom.server.responses_protocol import (
     ResponseUsage,
     StoredItem,
 )
-from loom.server.sse import DONE
+from loom.server.sse import ChatStreamRewriter
 
 STORE_SIZE = 1000   # responses kept for GET and previous_response_id, the latest first to stay
 STORE_BYTES = 256 << 20   # and at most this much of them (compact JSON): one with top-20 logprobs is ~1.5 KB a token
@@ -309,13 +308,14 @@ class ResponsesServing:
         return response
 
 
-class ResponseEvents:
+class ResponseEvents(ChatStreamRewriter):
     """A streamed response: the chat stream's chunks (SSE lines) rewritten as the Responses
     API's events, in order: created, in_progress; per output item its added event, its deltas
     and done events; then completed (or incomplete, or an error and failed)."""
 
     def __init__(self, serving: ResponsesServing, body: ResponsesRequest, rid: str,
                  conversation: list[dict[str, Any]]):
+        super().__init__()
         self.serving, self.body, self.rid, self.conversation = serving, body, rid, conversation
         self.seq = 0
         self.output: list[OutputMessage | FunctionCallOut] = []
@@ -323,8 +323,6 @@ class ResponseEvents:
         self.logprobs: list[LogprobOut] = []            # the open message's
         self.calls: dict[int, FunctionCallOut] = {}     # chat tool-call index -> its open item
         self._deltas: list[str] = []                  # the open message's text so far
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = ResponseStreamEvent(type=kind, sequence_number=self.seq, **fields).model_dump(exclude_none=True)
@@ -358,10 +356,14 @@ class ResponseEvents:
                             part=part),
                 self._event("response.output_item.done", output_index=i, item=item)]
 
-    def _text_delta(self, delta: str, logprobs: list[dict[str, Any]] | None) -> list[str]:
+    def _prelude(self) -> list[str]:
+        shell = self.serving._shell(self.body, self.rid, "in_progress")
+        return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
+
+    def _text_delta(self, delta: str, choice: dict[str, Any]) -> list[str]:
         out = [] if self.text is not None else self._open_text()
         self._deltas.append(delta)
-        new = _logprobs_out(logprobs)
+        new = _logprobs_out((choice.get("logprobs") or {}).get("content"))
         self.logprobs += new
         out.append(self._event("response.output_text.delta", output_index=self._index(self.text),
                                item_id=self.text.id, content_index=0, delta=delta,
@@ -398,20 +400,6 @@ class ResponseEvents:
         self.calls = {}
         return out
 
-    def _chunk(self, data: dict[str, Any]) -> list[str]:
-        if data.get("usage"):
-            self.usage = data["usage"]
-        out: list[str] = []
-        for choice in data.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text_delta(delta["content"], (choice.get("logprobs") or {}).get("content"))
-            for call in delta.get("tool_calls") or []:
-                out += self._call_delta(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
-
     def _final(self) -> list[str]:
         incomplete = self.finish == "length"
         status = "incomplete" if incomplete else "completed"
@@ -435,30 +423,6 @@ class ResponseEvents:
         return [self._event("error", code=error.get("type"), message=error.get("message") or "",
                             param=error.get("param")),
                 self._event("response.failed", response=ResponseObject.model_validate(response.model_dump()))]
-
-    async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The response's events from the chat stream's SSE lines."""
-        shell = self.serving._shell(self.body, self.rid, "in_progress")
-        yield self._event("response.created", response=shell)
-        yield self._event("response.in_progress", response=shell)
-        try:
-            async for line in chunks:
-                if line == DONE:
-                    break
-                data = json.loads(line[len("data: "):])
-                if "error" in data:
-                    for e in self._failed(data["error"]):
-                        yield e
-                    return
-                for e in self._chunk(data):
-                    yield e
-            else:
-                return   # the client went away: nothing more to send
-            for e in self._final():
-                yield e
-        finally:
-            await chunks.aclose()
-
 
 def responses_router(serving: ResponsesServing, dependencies: list, errors: dict, sse_doc: dict) -> APIRouter:
     """/v1/responses: create, retrieve, delete, input items, cancel."""

@@ -58,3 +58,79 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+class ChatStreamRewriter:
+    """The chat route's stream (``data:`` lines of chat completion chunks, with usage) rewritten
+    as another API's events (the Responses API's, Anthropic's Messages'): `events` reads the
+    chunks and hands each piece to the subclass, which says what it becomes.
+
+    Order: `_prelude` before any chunk, `_opening` with the first one, then per choice of each
+    chunk its text (`_text_delta`), its tool-call deltas (`_call_delta`) and, where it has its
+    finish reason, `_finished`; `_final` after ``[DONE]``. An error chunk ends the stream with
+    `_failed`; a stream cut short (the client went away) ends with nothing more."""
+
+    def __init__(self) -> None:
+        self.finish: str | None = None                 # the chat's finish_reason
+        self.stopped_by: int | str | None = None        # its stop_reason (the stop string or id)
+        self.usage: dict[str, Any] | None = None        # the latest chunk's usage
+
+    def _prelude(self) -> list[str]:
+        return []
+
+    def _opening(self, data: dict[str, Any]) -> list[str]:
+        return []
+
+    def _text_delta(self, text: str, choice: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def _call_delta(self, call: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def _finished(self) -> list[str]:
+        return []
+
+    def _final(self) -> list[str]:
+        raise NotImplementedError
+
+    def _failed(self, error: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def _chunk(self, data: dict[str, Any]) -> list[str]:
+        if data.get("usage"):
+            self.usage = data["usage"]
+        out: list[str] = []
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text_delta(delta["content"], choice)
+            for call in delta.get("tool_calls") or []:
+                out += self._call_delta(call)
+            if choice.get("finish_reason"):
+                self.finish, self.stopped_by = choice["finish_reason"], choice.get("stop_reason")
+                out += self._finished()
+        return out
+
+    async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The rewritten events of the chat stream's SSE lines (closed however this ends)."""
+        for e in self._prelude():
+            yield e
+        opened = False
+        try:
+            async for line in chunks:
+                if line == DONE:
+                    break
+                data = json.loads(line[len("data: "):])
+                if "error" in data:
+                    for e in self._failed(data["error"]):
+                        yield e
+                    return
+                for e in ([] if opened else self._opening(data)) + self._chunk(data):
+                    yield e
+                opened = True
+            else:
+                return   # the client went away: nothing more to send
+            for e in self._final():
+                yield e
+        finally:
+            await chunks.aclose()
