@@ -3,11 +3,14 @@ one real `loom serve` process (smollm2-135m, with an API key), driven by the off
 `anthropic` client: its answers agree with the chat completions they are made from, stream as
 Anthropic's events, stop on stop sequences and max_tokens, call tools and read their results,
 count the prompt as usage does, refuse what the server cannot do in Anthropic's error shape,
-take the key as x-api-key, and abort a stream whose client leaves."""
+take the key as x-api-key, and abort a stream whose client leaves; and the requests of Claude
+Code (its beta fields, a system message among the messages, the context-limit errors it parses
+to retry) are answered as it expects."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import anthropic
@@ -15,6 +18,9 @@ import httpx
 import pytest
 from conftest import real_model_path
 from loom_server import LoomServer
+
+from loom.server.anthropic import chat_request
+from loom.server.anthropic_protocol import MessagesRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -181,7 +187,7 @@ def test_refusals_in_anthropics_shape(server: LoomServer) -> None:
     _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, tools=[
         {"type": "web_search_20250305", "name": "web_search"}]), 400, "invalid_request_error", "web_search_20250305")
     _refused(lambda: api.messages.create(model="claude-opus-4-1", max_tokens=5, messages=QUESTION),
-             404, "not_found_error", "claude-opus-4-1")
+             404, "not_found_error", "model: claude-opus-4-1")   # Claude Code's --fallback-model reads "model:"
     raw = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, "messages": QUESTION},
                      headers={"x-api-key": KEY}, timeout=30)
     assert raw.status_code == 400 and raw.json() == {"type": "error", "error": {
@@ -214,3 +220,89 @@ def test_a_client_that_leaves_aborts_its_stream(server: LoomServer) -> None:
         time.sleep(0.1)
     after = stats()
     assert after["num_requests_running"] == 0 and after["generation_tokens"] - before < 200
+
+
+# The shape of Claude Code's requests (2.1.x, as it sent them to loom): beta query string and
+# headers, a billing text block and cache_control with scope and ttl in `system`, metadata.user_id
+# as a JSON string, adaptive thinking, a clear_thinking context edit, effort, and a system
+# message among the messages (the mid-conversation-system beta).
+CLAUDE_CODE_HEADERS = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "x-app": "cli",
+                       "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                         "context-management-2025-06-27,prompt-caching-scope-2026-01-05,"
+                                         "mid-conversation-system-2026-04-07,effort-2025-11-24"}
+CLAUDE_CODE_BODY = {
+    "model": MODEL, "max_tokens": 16, "stream": True, "temperature": 0,
+    "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=sdk-cli;"},
+               {"type": "text", "text": "You are a coding agent.",
+                "cache_control": {"type": "ephemeral", "scope": "global", "ttl": "1h"}}],
+    "messages": [{"role": "user", "content": [
+                     {"type": "text", "text": "<system-reminder>Today is Monday.</system-reminder>"},
+                     {"type": "text", "text": "say hi", "cache_control": {"type": "ephemeral", "ttl": "5m"}}]},
+                 {"role": "system", "content": "Available agent types: none."}],
+    "tools": [{"name": "Bash", "description": "Runs a shell command",
+               "input_schema": {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+                                "properties": {"command": {"type": "string"}}, "required": ["command"],
+                                "additionalProperties": False}}],
+    "metadata": {"user_id": json.dumps({"device_id": "0f16", "account_uuid": "", "session_id": "8a4a"})},
+    "thinking": {"type": "adaptive"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"},
+}
+
+
+def test_claude_codes_request_shape(server: LoomServer) -> None:
+    raw = httpx.post(f"{server.url}/v1/messages?beta=true", json=CLAUDE_CODE_BODY, headers=CLAUDE_CODE_HEADERS,
+                     timeout=120)
+    assert raw.status_code == 200, raw.text
+    names = [b.split("\n")[0] for b in filter(None, raw.text.split("\n\n"))]
+    assert names[:2] == ["event: message_start", "event: ping"] and names[-1] == "event: message_stop"
+    prompt = {k: CLAUDE_CODE_BODY[k] for k in ("model", "system", "messages", "tools", "thinking",
+                                               "context_management")}
+    count = lambda body: httpx.post(f"{server.url}/v1/messages/count_tokens?beta=true", json=body,  # noqa: E731
+                                    headers=CLAUDE_CODE_HEADERS, timeout=30).json()["input_tokens"]
+    counted = count(prompt)
+    start = json.loads(raw.text.split("\n\n")[0].split("\n")[1][len("data: "):])
+    assert start["message"]["usage"]["input_tokens"] == counted
+    assert count({**prompt, "messages": prompt["messages"][:1]}) < counted, "the system message reaches the prompt"
+    assert count({**prompt, "thinking": {"type": "enabled", "budget_tokens": 1024}}) == counted
+    switch = {kind: chat_request(MessagesRequest.model_validate({**CLAUDE_CODE_BODY, "thinking": {"type": kind}}))
+              .chat_template_kwargs for kind in ("adaptive", "disabled")}
+    assert switch == {"adaptive": {"enable_thinking": True}, "disabled": {"enable_thinking": False}}
+    assert count({**prompt, "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": {
+        "type": "thinking_turns", "value": 1}}]}}) == counted
+
+
+def test_context_limits_in_anthropics_words(server: LoomServer) -> None:
+    """Claude Code parses these two messages: it retries with a max_tokens that fits, or compacts."""
+    api = client(server)
+    context = httpx.get(f"{server.url}/v1/models", headers=server.headers()).json()["data"][0]["max_model_len"]
+    counted = api.messages.count_tokens(model=MODEL, messages=QUESTION).input_tokens
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=context, messages=QUESTION), 400,
+             "invalid_request_error", f"input length and `max_tokens` exceed context limit: {counted} + {context} > "
+                                      f"{context}, decrease input length or `max_tokens`")
+    long = [{"role": "user", "content": "loom " * (context + 100)}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        api.messages.create(model=MODEL, max_tokens=5, messages=long)
+    assert re.fullmatch(rf"prompt is too long: \d+ tokens > {context - 1} maximum", e.value.body["error"]["message"])
+
+
+def test_output_config_format_is_a_json_schema(server: LoomServer) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    m = client(server).messages.create(model=MODEL, max_tokens=30, messages=PARIS, extra_body={
+        **GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "high"}})
+    assert json.loads(m.content[0].text)["answer"] in ("yes", "no")
+
+
+def test_what_claude_code_may_send_that_loom_refuses(server: LoomServer) -> None:
+    api = client(server)
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, extra_body={
+        "output_config": {"effort": "low"}}), 400, "invalid_request_error", "effort", "'low'")
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, extra_body={
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}), 400, "invalid_request_error",
+        "clear_tool_uses_20250919")
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=[*QUESTION, {"role": "system", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]), 400, "invalid_request_error",
+        "tool_result blocks cannot be in system messages")
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, extra_body={
+        "thinking": {"type": "sometimes"}}), 400, "invalid_request_error", "thinking")

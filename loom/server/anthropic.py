@@ -8,13 +8,18 @@ tool prompt, grammars, tool-call parsing, prefix cache and disconnect handling):
 
 * `system` is a system message first; a user message's tool_result blocks are tool messages
   (`is_error` puts "Error: " before the result), its text blocks user messages, in their
-  order; an assistant message's tool_use blocks are its tool calls. A final assistant message
-  is continued (Anthropic's prefill: the chat request's `continue_final_message`).
+  order; an assistant message's tool_use blocks are its tool calls; a system message among
+  the messages stays a system message where it stands. A final assistant message is continued
+  (Anthropic's prefill: the chat request's `continue_final_message`).
 * `max_tokens` is the chat's `max_completion_tokens`, `stop_sequences` its `stop`; tools become
   function tools; tool_choice auto / any / tool / none is auto / required / the named function /
   none, `disable_parallel_tool_use` is `parallel_tool_calls: false`; `thinking` is the chat
-  template's `enable_thinking`, as llama-server passes it (a model that writes no thinking
-  gets no thinking blocks: loom returns what the model writes as text).
+  template's `enable_thinking` (true for enabled and adaptive), as llama-server passes it (a
+  model that writes no thinking gets no thinking blocks: loom returns what the model writes as
+  text); `output_config.format` is a json_schema `response_format`.
+* The query string Anthropic's SDKs add for beta features (``?beta=true``) and the
+  ``anthropic-beta`` / ``anthropic-version`` headers select nothing here: the fields a request
+  holds are what it asks for, each taken or refused by name.
 * The answer is a message: its text as a text block, each call as a tool_use block (id
   ``toolu_...``, `input` the arguments object); stop_reason end_turn, max_tokens,
   stop_sequence (with `stop_sequence` set) or tool_use. Usage follows Anthropic's split: the
@@ -27,15 +32,20 @@ tool prompt, grammars, tool-call parsing, prefix cache and disconnect handling):
   tool_choice auto are sent once the answer has ended as calls (until then the text may still
   turn out to be content); forced calls stream as the model writes them.
 * Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``: 400
-  invalid_request_error, 401 authentication_error, 404 not_found_error, 413
-  request_too_large, 529 overloaded_error (a full waiting queue, or an engine restarting; with
-  Retry-After), 500 api_error; in a stream that has begun, an ``error`` event ends it.
+  invalid_request_error (a prompt or max_tokens past the context in Anthropic's words, "prompt
+  is too long: P tokens > M maximum" and "input length and `max_tokens` exceed context limit:
+  P + N > C", which clients such as Claude Code parse to retry with less), 401
+  authentication_error, 404 not_found_error, 413 request_too_large, 529 overloaded_error (a
+  full waiting queue, or an engine restarting; with Retry-After), 500 api_error; in a stream
+  that has begun, an ``error`` event ends it. An unknown model's 404 says "model: NAME", as
+  Anthropic's does (Claude Code reads it to switch to its --fallback-model).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -57,7 +67,7 @@ from loom.server.anthropic_protocol import (
     MessageObject,
     MessagesRequest,
     TextOut,
-    ThinkingEnabled,
+    ThinkingDisabled,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
@@ -73,7 +83,9 @@ log = logging.getLogger("loom.server")
 PATH = "/v1/messages"
 # chat request fields (and parts of their paths) named differently here, for error messages
 _NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "parameters": "input_schema",
-          "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+          "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+          "response_format": "output_config.format"}
+_SKIPPED = ("function", "json_schema")   # levels of the chat request a path here does not have
 # the status an error of loom's is answered with here, and Anthropic's type of each
 _OVERLOADED = 529
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -109,14 +121,36 @@ def anthropic_error_response(status: int, message: str, headers: dict[str, str] 
 def _renamed(path: str) -> str:
     """A chat request's field path in this API's names ("tools.0.function.parameters" ->
     "tools.0.input_schema")."""
-    parts = [_NAMES.get(p, p) for p in path.split(".") if p != "function"]
+    parts = [_NAMES.get(p, p) for p in path.split(".") if p not in _SKIPPED]
     return ".".join(parts)
 
 
+# loom's context-limit messages (loom.engine), and Anthropic's words for each
+_MAX_TOKENS_PAST_CONTEXT = re.compile(r"is too large: (\d+)\. This model's maximum context length is (\d+) tokens "
+                                      r"and your request has (\d+) input tokens")
+_PROMPT_PAST_CONTEXT = re.compile(r"^prompt is (\d+) tokens, the context limit is (\d+)")
+
+
+def _anthropic_wording(message: str) -> str:
+    """A context-limit error in the words of Anthropic's API; any other message as it is."""
+    if m := _MAX_TOKENS_PAST_CONTEXT.search(message):
+        wanted, context, prompt = m.groups()
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {wanted} > {context}, decrease "
+                "input length or `max_tokens` and try again")
+    if m := _PROMPT_PAST_CONTEXT.match(message):
+        prompt, context = m.groups()   # one token of the context is left to generate
+        return f"prompt is too long: {prompt} tokens > {int(context) - 1} maximum"
+    return message
+
+
 def _in_our_names(e: ApiError) -> ApiError:
-    """An error of the chat completions path, naming this request's fields."""
-    if e.param is not None and _renamed(e.param) != e.param:
+    """An error of the chat completions path, naming this request's fields (and a context limit
+    in Anthropic's words)."""
+    if e.code == "context_length_exceeded":
+        e.message = _anthropic_wording(e.message)
+    elif e.param is not None and _renamed(e.param) != e.param:
         e.message = e.message.replace(e.param, _renamed(e.param), 1)
+    if e.param is not None:
         e.param = _renamed(e.param)
     return e
 
@@ -156,7 +190,7 @@ class AnthropicRoute(APIRoute):
             except ApiError as e:
                 return anthropic_error_response(e.status, e.message, e.headers)
             except LoomError as e:
-                err = api_error_from_loom(e, request.url.path)
+                err = _in_our_names(api_error_from_loom(e, request.url.path))
                 return anthropic_error_response(err.status, err.message, err.headers)
             except StarletteHTTPException as e:
                 return anthropic_error_response(e.status_code, str(e.detail), dict(e.headers or {}) or None)
@@ -203,6 +237,8 @@ def chat_messages(body: PromptFields) -> list[dict[str, Any]]:
             out.append({"role": m.role, "content": m.content})
         elif m.role == "user":
             _user_turn(m.content, out)
+        elif m.role == "system":
+            out.append({"role": "system", "content": "\n".join(b.text for b in m.content)})
         else:
             out.append(_assistant_turn(m.content))
     return out
@@ -245,14 +281,23 @@ def _prompt_fields(body: PromptFields) -> dict[str, Any]:
     fields = {"model": body.model, "messages": chat_messages(body), **_tool_fields(body),
               "add_generation_prompt": not prefill, "continue_final_message": prefill}
     if body.thinking is not None:
-        fields["chat_template_kwargs"] = {"enable_thinking": isinstance(body.thinking, ThinkingEnabled)}
+        fields["chat_template_kwargs"] = {"enable_thinking": not isinstance(body.thinking, ThinkingDisabled)}
     return fields
+
+
+def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
+    """output_config.format as the chat request's json_schema response_format."""
+    wanted = body.output_config.format if body.output_config is not None else None
+    if wanted is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": wanted.schema_}}
 
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request that answers `body`."""
     fields = {**_prompt_fields(body), "max_completion_tokens": body.max_tokens, "stop": body.stop_sequences,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stream": body.stream,
+              "response_format": _response_format(body),
               "stream_options": {"include_usage": True, "continuous_usage_stats": True} if body.stream else None}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
@@ -442,8 +487,14 @@ class AnthropicServing:
     def __init__(self, chat):
         self.chat = chat
 
+    def check_model(self, name: str) -> None:
+        """An unknown model is a 404 in Anthropic's words ("model: NAME"), which Claude Code reads
+        to switch to its --fallback-model."""
+        if name != self.chat.model:
+            raise ApiError(404, f"model: {name} (this server serves `{self.chat.model}`)", param="model")
+
     async def create(self, body: MessagesRequest, request: Request) -> MessageObject | Response:
-        self.chat.check_model(body.model)
+        self.check_model(body.model)
         chat = chat_request(body)
         mid = _new_id("msg")
         try:
@@ -457,7 +508,7 @@ class AnthropicServing:
         return message_of(answer.model_dump(), body, mid, self.chat.model)
 
     async def count_tokens(self, body: CountTokensRequest) -> CountTokensResponse:
-        self.chat.check_model(body.model)
+        self.check_model(body.model)
         try:
             counted = await self.chat.tokenize(tokenize_request(body))
         except ApiError as e:

@@ -4,13 +4,18 @@ routes' (`protocol`): a field loom does not implement is a 400 naming it.
 
 What the server takes: `system` (a string or text blocks), messages whose content is a string
 or text, tool_use and tool_result blocks (a tool result's content a string or text blocks),
-custom tools (`name`, `description`, `input_schema`) with `tool_choice`, `stop_sequences`,
-`temperature`, `top_p`, `top_k`, `thinking` (the chat template's `enable_thinking`), `stream`.
+system messages among the messages (text only; the mid-conversation-system beta), custom tools
+(`name`, `description`, `input_schema`) with `tool_choice`, `stop_sequences`, `temperature`,
+`top_p`, `top_k`, `thinking` (enabled or adaptive: the chat template's `enable_thinking` true;
+disabled: false), `output_config.format` (a JSON schema the answer follows), `stream`.
 Accepted and ignored, since they cannot change the output: `metadata.user_id`,
-`service_tier`, and `cache_control` on the request, its blocks and tools (loom's prefix cache
-is automatic); `strict` on a tool, as the chat completions take it.
-Image and document blocks (loom's models read text only), server tools and every other block
-type are refused by name.
+`service_tier`, and `cache_control` (with its `ttl` and `scope`) on the request, its blocks and
+tools (loom's prefix cache is automatic); `strict` on a tool, as the chat completions take it.
+Accepted because applying them changes nothing here: `output_config.effort` "high" (the API's
+default, the same as leaving it out), and `context_management` edits of type
+clear_thinking_20251015 (they clear thinking blocks, which a request here never holds).
+Other effort levels, other context edits (clear_tool_uses_20250919), image and document blocks
+(loom's models read text only), server tools and every other block type are refused by name.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class CacheControl(_Request):
-    """A prompt-caching breakpoint: accepted and ignored (loom caches every prompt's prefix)."""
+    """A prompt-caching breakpoint: accepted and ignored (loom caches every prompt's prefix),
+    with its lifetime (`ttl`) and sharing (`scope`) hints."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+    scope: Literal["global"] | None = None
 
 
 class TextBlock(_Request):
@@ -98,9 +105,10 @@ ContentBlock = Annotated[Annotated[TextBlock, Tag("text block")] | Annotated[Too
 
 
 class MessageParam(_Request):
-    """A turn: the user's (text, tool results) or the assistant's (text, tool calls)."""
+    """A turn: the user's (text, tool results), the assistant's (text, tool calls), or a system
+    message among them (text only), which the chat template renders where it stands."""
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
     @field_validator("content", mode="before")
@@ -116,9 +124,10 @@ class MessageParam(_Request):
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> MessageParam:
-        wrong = "tool_result" if self.role == "assistant" else "tool_use"
-        if not isinstance(self.content, str) and any(b.type == wrong for b in self.content):
-            raise ValueError(f"{wrong} blocks cannot be in {self.role} messages")
+        wrong = {"assistant": ("tool_result",), "user": ("tool_use",), "system": ("tool_use", "tool_result")}
+        for block in [] if isinstance(self.content, str) else self.content:
+            if block.type in wrong[self.role]:
+                raise ValueError(f"{block.type} blocks cannot be in {self.role} messages")
         return self
 
 
@@ -174,11 +183,64 @@ class ThinkingEnabled(_Request):
                     "against max_tokens.")
 
 
+class ThinkingAdaptive(_Request):
+    """The model decides whether to think: the template's enable_thinking true, as with enabled."""
+
+    type: Literal["adaptive"]
+
+
 class ThinkingDisabled(_Request):
     type: Literal["disabled"]
 
 
-Thinking = Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")]
+Thinking = Annotated[ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")]
+
+
+class ThinkingTurns(_Request):
+    type: Literal["thinking_turns"]
+    value: PositiveCount
+
+
+class ClearThinkingEdit(_Request):
+    """Clears thinking blocks of earlier turns but the last `keep`: a request here never holds
+    thinking blocks (loom answers with text and tool_use blocks, and refuses thinking blocks), so
+    the edit leaves its messages as they are."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_edits(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "clear_thinking_20251015":
+            raise ValueError(f"context edit type {data['type']!r} is not available on this server: only "
+                             "clear_thinking_20251015")
+        return data
+
+
+class ContextManagement(_Request):
+    edits: list[ClearThinkingEdit] | None = None
+
+
+class OutputFormat(_Request):
+    """The answer's text is JSON that follows `schema` (the chat request's json_schema response_format)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema of the answer.")
+
+
+class OutputConfig(_Request):
+    effort: str | None = Field(None, description="'high' only: Anthropic's default, which leaves the request as "
+                                                 "it is (loom's models have no effort setting).")
+    format: OutputFormat | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _default_effort(cls, v: str | None) -> str | None:
+        if v is not None and v != "high":
+            raise ValueError(f"effort {v!r} is not available on this server: its models have no effort setting, so "
+                             "it takes only 'high' (the default, the same as leaving effort out)")
+        return v
 
 
 class MessageMetadata(_Request):
@@ -194,6 +256,9 @@ class PromptFields(_Request):
     tools: Annotated[list[CustomTool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = Field(None, description="The chat template's enable_thinking (true or false).")
+    context_management: ContextManagement | None = Field(None, description="clear_thinking_20251015 edits only, "
+                                                                           "which change nothing here.")
+    output_config: OutputConfig | None = None
     cache_control: CacheControl | None = Field(None, description="Accepted and ignored (loom's prefix cache is "
                                                                  "automatic).")
 
