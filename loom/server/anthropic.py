@@ -47,7 +47,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -76,7 +76,7 @@ from loom.server.anthropic_protocol import (
 )
 from loom.server.errors import ApiError, ClientDisconnected, api_error_from_loom, validation_message
 from loom.server.protocol import ChatCompletionRequest, TokenizeRequest
-from loom.server.sse import DONE
+from loom.server.sse import ChatStreamRewriter
 
 log = logging.getLogger("loom.server")
 
@@ -375,20 +375,18 @@ def _stream_error(error: dict[str, Any]) -> str:
     return _sse("error", AnthropicError(error=ErrorDetail(type=kind, message=error.get("message") or "")).model_dump())
 
 
-class MessageEvents:
+class MessageEvents(ChatStreamRewriter):
     """A streamed message: the chat stream's chunks (SSE lines, with continuous usage) rewritten
     as Anthropic's events, in the order the module docstring gives. `forced`: the calls are
     certain (tool_choice any or tool), so they stream as they come; otherwise they are held
     until the answer ends as calls."""
 
     def __init__(self, model: str, body: MessagesRequest, mid: str, forced: bool):
+        super().__init__()
         self.model, self.body, self.mid, self.forced = model, body, mid, forced
         self.blocks = 0                          # content blocks started
         self.open: str | None = None             # the open block's type
         self.held: dict[int, dict[str, Any]] = {}   # chat call index -> {id, name, arguments}
-        self.finish: str | None = None
-        self.stopped_by: int | str | None = None
-        self.usage: dict[str, Any] | None = None
 
     def _start(self, block: TextOut | ToolUseOut) -> list[str]:
         out = self._close()
@@ -406,7 +404,7 @@ class MessageEvents:
     def _delta(self, delta: dict[str, str]) -> str:
         return _sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})
 
-    def _text(self, text: str) -> list[str]:
+    def _text_delta(self, text: str, choice: dict[str, Any]) -> list[str]:
         out = [] if self.open == "text" else self._start(TextOut(text=""))
         return out + [self._delta({"type": "text_delta", "text": text})]
 
@@ -426,22 +424,10 @@ class MessageEvents:
         args = fn.get("arguments")
         return [self._delta({"type": "input_json_delta", "partial_json": args})] if args else []
 
-    def _chunk(self, data: dict[str, Any]) -> list[str]:
-        if data.get("usage"):
-            self.usage = data["usage"]
-        out: list[str] = []
-        for choice in data.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                out += self._call_delta(call)
-            if choice.get("finish_reason"):
-                self.finish, self.stopped_by = choice["finish_reason"], choice.get("stop_reason")
-                if self.finish == "tool_calls":
-                    for call in self.held.values():
-                        out += self._call(call["id"], call["name"], call["arguments"])
-        return out
+    def _finished(self) -> list[str]:
+        if self.finish != "tool_calls":
+            return []
+        return [e for call in self.held.values() for e in self._call(call["id"], call["name"], call["arguments"])]
 
     def _opening(self, data: dict[str, Any]) -> list[str]:
         """message_start (its usage the whole prompt, nothing generated yet) and a ping."""
@@ -459,26 +445,8 @@ class MessageEvents:
                            "cache_read_input_tokens": usage.cache_read_input_tokens}}
         return self._close() + [_sse("message_delta", delta), _sse("message_stop", {"type": "message_stop"})]
 
-    async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The message's events from the chat stream's SSE lines."""
-        opened = False
-        try:
-            async for line in chunks:
-                if line == DONE:
-                    break
-                data = json.loads(line[len("data: "):])
-                if "error" in data:
-                    yield _stream_error(data["error"])
-                    return
-                for e in ([] if opened else self._opening(data)) + self._chunk(data):
-                    yield e
-                opened = True
-            else:
-                return   # the client went away: nothing more to send
-            for e in self._final():
-                yield e
-        finally:
-            await chunks.aclose()
+    def _failed(self, error: dict[str, Any]) -> list[str]:
+        return [_stream_error(error)]
 
 
 class AnthropicServing:
