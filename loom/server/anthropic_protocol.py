@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from loom.server.protocol import Count, NonEmptyStr, PositiveCount, ToolName, _Request, _Response, _unset
+from loom.server.protocol import Count, NonEmptyStr, PositiveCount, ToolName, _Request, _Response, _unset, only_type
 
 # The least thinking budget Anthropic's API accepts.
 MIN_THINKING_BUDGET = 1024
@@ -153,10 +153,8 @@ class CustomTool(_Request):
     @model_validator(mode="before")
     @classmethod
     def _custom_tools_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "custom":
-            raise ValueError(f"tool type {data['type']!r} is not available on this server: only custom tools "
-                             "(name, description, input_schema)")
-        return data
+        return only_type(data, "custom", "tool type {kind} is not available on this server: only custom tools "
+                         "(name, description, input_schema)")
 
 
 class ToolChoice(_Request):
@@ -212,10 +210,8 @@ class ClearThinkingEdit(_Request):
     @model_validator(mode="before")
     @classmethod
     def _known_edits(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "clear_thinking_20251015":
-            raise ValueError(f"context edit type {data['type']!r} is not available on this server: only "
-                             "clear_thinking_20251015")
-        return data
+        return only_type(data, "clear_thinking_20251015", "context edit type {kind} is not available on this "
+                         "server: only clear_thinking_20251015")
 
 
 class ContextManagement(_Request):

@@ -418,6 +418,16 @@ class CompletionStreamResponse(_Response):
 # -- chat completions --------------------------------------------------------------------------
 
 
+def only_type(data: Any, allowed: str, refusal: str) -> Any:
+    """A model validator's body (mode "before") for a tagged object: one whose ``type`` is a
+    string other than `allowed` is refused with `refusal`, formatted with ``{kind}`` (pydantic's
+    own message would list the one allowed literal, not why the others are not taken)."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if isinstance(kind, str) and kind != allowed:
+        raise ValueError(refusal.format(kind=repr(kind)))
+    return data
+
+
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
@@ -425,11 +435,8 @@ class TextContentPart(_Request):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind != "text":
-            raise ValueError(f"content part type {kind!r} is not supported: this server's model takes text only "
-                             "(type 'text')")
-        return data
+        return only_type(data, "text", "content part type {kind} is not supported: this server's model takes "
+                         "text only (type 'text')")
 
 
 class FunctionCallIn(_Request):

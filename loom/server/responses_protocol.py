@@ -25,6 +25,7 @@ from loom.server.protocol import (
     TopK,
     _Request,
     _Response,
+    only_type,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -114,10 +115,8 @@ class FunctionTool(_Request):
     @model_validator(mode="before")
     @classmethod
     def _function_tools_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "function":
-            raise ValueError(f"tool type {data['type']!r} is not available on this server: only function tools "
-                             "(type 'function') are")
-        return data
+        return only_type(data, "function", "tool type {kind} is not available on this server: only function "
+                         "tools (type 'function') are")
 
 
 class NamedTool(_Request):
