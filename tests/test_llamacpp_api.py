@@ -158,6 +158,24 @@ def test_props(server: LoomServer) -> None:
     assert props["build_info"].startswith("loom ")
 
 
+def test_apply_template_renders_what_a_chat_request_runs(server: LoomServer) -> None:
+    """/apply-template's text is the prompt a chat request with these messages gets: tokenized,
+    the ids /tokenize gives for the same messages; its /completion answer is the chat's."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    rendered = httpx.post(f"{server.url}/apply-template", json={"messages": messages}, timeout=30)
+    assert rendered.status_code == 200, rendered.text
+    prompt = rendered.json()["prompt"]
+    assert "Be brief." in prompt and prompt.rstrip().endswith("assistant")
+    ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    assert tokenize(server, content=prompt, add_special=False)["tokens"] == ids
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8,
+                                                                 "temperature": 0}, timeout=60).json()
+    assert complete(server, prompt=ids, n_predict=8, temperature=0)["content"] == \
+        chat["choices"][0]["message"]["content"]
+    bad = httpx.post(f"{server.url}/apply-template", json={"messages": []}, timeout=30)
+    assert bad.status_code == 400 and "messages" in bad.text
+
+
 def test_tokenize_in_both_shapes(server: LoomServer) -> None:
     llama = tokenize(server, content=PROMPT)
     assert set(llama) == {"tokens"} and all(isinstance(t, int) for t in llama["tokens"])

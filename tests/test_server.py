@@ -695,6 +695,8 @@ def test_api_key_guards_v1_only(strict: LoomServer) -> None:
     # llama-server's routes and Anthropic's header for the key
     assert httpx.post(f"{strict.url}/completion", json={"prompt": "hi", "n_predict": 1}).status_code == 401
     assert httpx.get(f"{strict.url}/props").status_code == 401
+    assert httpx.post(f"{strict.url}/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}
+                      ).status_code == 401
     assert httpx.get(f"{strict.url}/props", headers={"x-api-key": strict.api_key}).status_code == 200
     assert httpx.head(f"{strict.url}/health").status_code == httpx.get(f"{strict.url}/ping").status_code == 200
 

@@ -81,7 +81,8 @@ class BearerKey:
     the 401 of an Anthropic route has Anthropic's error shape. /health, /metrics, /version and
     the playground stay open; CORS preflights pass."""
 
-    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/completion", "/props")   # llama-server's too
+    PATHS = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/completion", "/props",
+             "/apply-template")   # llama-server's too
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app

@@ -1,4 +1,4 @@
-"""llama-server's native endpoints over the completions path: ``POST /completion``,
+"""llama-server's native endpoints over the completions path: ``POST /completion``, ``POST /apply-template``,
 ``GET /props``, and llama.cpp's shape of ``POST /tokenize``.
 
 A ``/completion`` request becomes one engine request, run as ``/v1/completions`` runs one (the
@@ -47,6 +47,8 @@ from loom.server.choices import ChoiceGroup, fan_out
 from loom.server.engine_client import off_loop
 from loom.server.errors import SERVER_ERROR, ApiError, ClientDisconnected, api_error_from_loom
 from loom.server.llamacpp_protocol import (
+    ApplyTemplateRequest,
+    ApplyTemplateResponse,
     LOOM_CHAIN,
     SAMPLER_NAMES,
     DefaultSettings,
@@ -63,6 +65,7 @@ from loom.server.llamacpp_protocol import (
 )
 from loom.server.logprobs import finite
 from loom.server.sse import event
+from loom.server.tools import ToolPlan, tool_dicts
 
 log = logging.getLogger("loom.server")
 
@@ -234,6 +237,11 @@ class LlamaCppServing:
         self.serving = serving
         self.ae = serving.ae
 
+    async def apply_template(self, body: ApplyTemplateRequest) -> ApplyTemplateResponse:
+        self.serving.check_model(body.model)
+        plan = ToolPlan(tool_dicts(body.tools or []), "auto", None, True)
+        return ApplyTemplateResponse(**await self.serving._chat_prompt(body, plan, tokenize=False))
+
     # -- /completion ------------------------------------------------------------------------------
     async def completion(self, body: LlamaCompletionRequest, request: Request):
         s = self.serving
@@ -398,7 +406,7 @@ def model_path(name: str) -> Path:
 
 
 def llamacpp_router(serving: LlamaCppServing, dependencies: list, errors: dict) -> APIRouter:
-    """llama-server's /completion and /props at the root."""
+    """llama-server's /completion, /apply-template and /props at the root."""
     router = APIRouter(dependencies=dependencies)
 
     @router.post("/completion", response_model=LlamaCompletionResponse, response_model_exclude_none=True,
@@ -406,6 +414,11 @@ def llamacpp_router(serving: LlamaCppServing, dependencies: list, errors: dict) 
     async def completion(body: LlamaCompletionRequest, request: Request):
         """llama-server's native completion: one prompt, llama.cpp's settings and answer fields."""
         return await serving.completion(body, request)
+
+    @router.post("/apply-template", response_model=ApplyTemplateResponse, responses=errors)
+    async def apply_template(body: ApplyTemplateRequest) -> ApplyTemplateResponse:
+        """llama-server's chat template rendering: the prompt text a chat request's messages become."""
+        return await serving.apply_template(body)
 
     @router.get("/props", response_model=PropsResponse)
     async def props() -> PropsResponse:

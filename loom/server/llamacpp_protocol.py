@@ -16,7 +16,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
 from loom.sampling_params import MAX_LOGPROBS
-from loom.server.protocol import Seed, TokenId, TokenizeRequest, _integral, _Request, _Response
+from loom.server.protocol import (ChatMessage, Seed, TokenId, TokenizeRequest, Tool, _integral, _Request,
+                                  _Response)
 
 Int = Annotated[int, BeforeValidator(_integral)]
 NPredict = Annotated[int, Field(ge=-1), BeforeValidator(_integral)]
@@ -234,3 +235,19 @@ def _tokenize_shape(data: Any) -> str | None:
 # names, so validation errors name the field alone)
 TokenizeBody = Annotated[Annotated[TokenizeRequest, Tag("vLLM")] | Annotated[LlamaTokenizeRequest, Tag("llama.cpp")],
                          Discriminator(_tokenize_shape)]
+
+
+class ApplyTemplateRequest(_Request):
+    """llama-server's ``POST /apply-template``: a chat request's messages (and tools), rendered by
+    the chat template as a chat completion renders them, not run."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    add_generation_prompt: bool = Field(True, description="End with the assistant's turn opening.")
+    continue_final_message: bool = Field(False, description="Leave the final message open.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="More chat template variables.")
+
+
+class ApplyTemplateResponse(_Response):
+    prompt: str = Field(description="The rendered prompt's text (for POST /completion).")

@@ -711,20 +711,23 @@ class OpenAIServing:
                                       prompt_token_ids=prompt["prompt_token_ids"] if body.return_token_ids else None,
                                       loom=extension)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan) -> dict[str, Any]:
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan,
+                           tokenize: bool = True) -> dict[str, Any]:
+        """{"prompt_token_ids": ...} of the conversation as the chat template renders it (with the
+        tools' prompt); with `tokenize` False {"prompt": its text}."""
         extra = _template_variables(body.chat_template_kwargs)
         messages = _message_dicts(body.messages, self.ae.tokenizer.chat_template)
         if tools.active:   # the template's own tool prompt where it has one, else loom's generic one
             messages = with_tools(messages, tools.tools, self.ae.tokenizer.chat_template, extra)
         try:
-            ids = await off_loop(_text_size(messages), self.ae.tokenizer.encode_chat, messages,
-                                 add_generation_prompt=body.add_generation_prompt,
-                                 continue_final_message=body.continue_final_message, **extra)
+            rendered = await off_loop(_text_size(messages), self.ae.tokenizer.apply_chat_template, messages,
+                                      add_generation_prompt=body.add_generation_prompt,
+                                      continue_final_message=body.continue_final_message, tokenize=tokenize, **extra)
         except TokenizerError as e:
             hint = " (POST /v1/completions takes a plain prompt)" if self.ae.tokenizer.chat_template is None else ""
             param = "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
             raise ApiError(400, f"{e}{hint}", param=param, code="chat_template_error") from None
-        return {"prompt_token_ids": ids}
+        return {"prompt_token_ids": rendered} if tokenize else {"prompt": rendered}
 
     def _chat_events(self, group: ChoiceGroup, body: ChatCompletionRequest, rid: str, created: int,
                      top_k: int | None, include_usage: str | None, tools: ToolPlan,
