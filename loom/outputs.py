@@ -104,6 +104,20 @@ def as_delta(out: RequestOutput, first: bool) -> RequestOutput:
                                prompt_logprobs=out.prompt_logprobs if first else None)
 
 
+async def shaped(outs: AsyncIterator[RequestOutput], delta: bool, final_only: bool) -> AsyncIterator[RequestOutput]:
+    """A request's stream of outputs as its `output_kind` asks (SamplingParams): every output as
+    it is (cumulative), only what each added (`delta`), or only the final one with every choice
+    (`final_only`)."""
+    final, first = FinalOutputs(), True
+    async for out in outs:
+        if final_only:
+            if (done := final.add(out)) is not None:
+                yield done
+        else:
+            yield as_delta(out, first) if delta else out
+        first = False
+
+
 async def stream_outputs(queue: asyncio.Queue, stopped_early: Callable[[], None]) -> AsyncIterator[RequestOutput]:
     """A request's outputs as they arrive on `queue`, until the one that has `finished`. An
     exception put on the queue is raised (the request is over: nothing to abort); if the

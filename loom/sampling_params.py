@@ -32,6 +32,8 @@ from loom.eviction_params import KVEvictionParams
 GREEDY_TEMPERATURE_EPS = 1e-5
 # The most top alternatives a request may ask logprobs for.
 MAX_LOGPROBS = 20
+# A top_k past every vocabulary's size keeps every token; larger ones are read as this one.
+TOP_K_ALL = 2**31 - 1
 # The range of a logit bias (OpenAI's).
 MAX_LOGIT_BIAS = 100.0
 # The range `torch.Generator.manual_seed` accepts.
@@ -79,7 +81,8 @@ def _flag(name: str, value: Any) -> bool:
 class RequestOutputKind(enum.Enum):
     """What a request's stream of outputs carries (vLLM's): every output the whole text so far
     (CUMULATIVE), only what each step added (DELTA), or only the finished request (FINAL_ONLY).
-    `AsyncEngine.generate` honours it; `LLM.generate` returns finished requests whatever it is."""
+    `AsyncEngine.generate` and `loom serve`'s engine clients honour it; `LLM.generate` returns
+    finished requests whatever it is."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -178,7 +181,8 @@ class SamplingParams:
     best_of: completions to generate and rank (None: n), >= n.
     temperature: logits are divided by it; 0 (anything below 1e-5) decodes greedily.
     top_p: keep the most probable tokens whose total probability reaches top_p, in (0, 1].
-    top_k: keep the k most probable tokens; 0 or -1 keeps all.
+    top_k: keep the k most probable tokens; 0 or -1 keeps all (as does one past the vocabulary's
+        size: larger than 2**31 - 1 reads as that).
     min_p: drop tokens less probable than min_p times the most probable one, in [0, 1].
     presence_penalty: subtracted from the logit of every token already generated, in [-2, 2].
     frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2].
@@ -291,6 +295,7 @@ class SamplingParams:
             raise _fail("top_p", self.top_p, "a number in (0, 1]")
         if _int("top_k", self.top_k, "an integer >= -1 (0 or -1 disables)") < -1:
             raise _fail("top_k", self.top_k, "an integer >= -1 (0 or -1 disables)")
+        self.top_k = min(self.top_k, TOP_K_ALL)   # past any vocabulary: every token, as a 64-bit tensor holds it
         self.min_p = _real("min_p", self.min_p, "a number in [0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise _fail("min_p", self.min_p, "a number in [0, 1]")

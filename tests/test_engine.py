@@ -1477,3 +1477,31 @@ def test_llm_get_metrics_names_the_engine_counters_as_vllm(make_tiny):
     assert isinstance(steps, Histogram) and steps.count >= 3 and steps.buckets["+Inf"] == steps.count
     assert list(steps.buckets.values()) == sorted(steps.buckets.values())
     assert "vllm:spec_decode_num_drafts" not in metrics   # speculation off
+
+
+def test_integers_past_64_bits_fail_their_request_or_mean_no_limit(make_tiny):
+    """Integers past what a 64-bit tensor holds (a client's 1e20) never reach the step: top_k
+    that large keeps every token; the others are refused or are limits the context cuts. The
+    engine answers the next request as before (a huge top_k had failed the step)."""
+    engine = make_tiny()
+    huge = 10 ** 20
+    assert SamplingParams(top_k=huge).top_k == 2**31 - 1
+    plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for fields in ({"top_k": huge, "temperature": 0.7, "seed": 1}, {"max_tokens": huge}, {"min_tokens": huge,
+                   "max_tokens": None}, {"truncate_prompt_tokens": huge}):
+        try:
+            params = SamplingParams(**{"max_tokens": 3, "ignore_eos": True, **fields})
+        except InvalidRequestError:
+            continue
+        rid = engine.add_request("hello there", params)
+        for _ in range(8):
+            engine.step()
+        engine.abort(rid)
+    for priority in (huge, -huge):
+        rid = engine.add_request("hello there", plain, priority=priority)
+        engine.abort(rid)
+    rid = engine.add_request("hello there", plain)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [rid] and len(done[0].outputs[0].token_ids) == 3

@@ -481,3 +481,34 @@ def test_long_texts_are_tokenized_off_the_event_loop(tiny_llama_path) -> None:
     text = unit * k
     assert len(text) > LONG_TEXT_CHARS > len(unit * (k // 2))
     assert tok.encode(text) == tok.encode(unit * (k // 2)) + tok.encode(unit * (k - k // 2), add_special_tokens=False)
+
+
+def test_output_kind_shapes_the_engine_process_stream_as_the_threads(long_model) -> None:
+    """SamplingParams.output_kind through ProcessEngineClient (the default `loom serve` engine):
+    DELTA pieces join to the cumulative answer and FINAL_ONLY is one output with every choice,
+    as AsyncEngine gives them."""
+    import asyncio
+
+    from loom.config import EngineConfig
+    from loom.sampling_params import RequestOutputKind, SamplingParams
+    from loom.server.engine_client import ProcessEngineClient
+
+    client = ProcessEngineClient(EngineConfig.create(str(long_model), threads=1, num_blocks=64))
+
+    async def run(kind, n=1):
+        params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0, n=n, output_kind=kind)
+        return [out async for out in client.generate("hello there", params)]
+
+    async def all_kinds():
+        client.start()
+        return (await run(RequestOutputKind.CUMULATIVE), await run(RequestOutputKind.DELTA),
+                await run(RequestOutputKind.FINAL_ONLY, n=2))
+
+    try:
+        cumulative, delta, final = asyncio.run(all_kinds())
+    finally:
+        client.shutdown()
+    assert len(delta) == len(cumulative) > 1
+    assert [t for o in delta for t in o.outputs[0].token_ids] == cumulative[-1].outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in delta) == cumulative[-1].outputs[0].text
+    assert len(final) == 1 and [len(c.token_ids) for c in final[0].outputs] == [5, 5]

@@ -158,6 +158,14 @@ def test_props(server: LoomServer) -> None:
     assert props["build_info"].startswith("loom ")
 
 
+def test_an_alias_beside_its_field_given_as_null(server: LoomServer) -> None:
+    """n_predict: null beside max_tokens (or n_probs: null beside logprobs) reads the alias (a 500)."""
+    answer = complete(server, prompt="The sky is", n_predict=None, max_tokens=3, temperature=0)
+    assert answer["tokens_predicted"] == 3
+    answer = complete(server, prompt="The sky is", n_probs=None, logprobs=2, n_predict=2, temperature=0)
+    assert len(answer["completion_probabilities"][0]["top_logprobs"]) == 2
+
+
 def test_apply_template_renders_what_a_chat_request_runs(server: LoomServer) -> None:
     """/apply-template's text is the prompt a chat request with these messages gets: tokenized,
     the ids /tokenize gives for the same messages; its /completion answer is the chat's."""

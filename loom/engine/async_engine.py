@@ -19,7 +19,7 @@ from contextlib import aclosing
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
-from loom.outputs import FinalOutputs, RequestOutput, as_delta, stream_outputs
+from loom.outputs import RequestOutput, shaped, stream_outputs
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -65,18 +65,10 @@ class AsyncEngine:
             rid = self.engine.add_request(prompt, params, request_id, priority, fanout=fanout)
             self._queues[rid] = (asyncio.get_running_loop(), queue)
         self._wake.set()
-        kind = params.clone().output_kind if params is not None else RequestOutputKind.CUMULATIVE
-        final, first = FinalOutputs(), True
+        kind = params.output_kind if params is not None else RequestOutputKind.CUMULATIVE
         async with aclosing(stream_outputs(queue, lambda: self._drop(rid))) as outs:
-            async for out in outs:
-                if kind is RequestOutputKind.FINAL_ONLY:
-                    if (done := final.add(out)) is not None:
-                        yield done
-                elif kind is RequestOutputKind.DELTA:
-                    yield as_delta(out, first)
-                else:
-                    yield out
-                first = False
+            async for out in shaped(outs, kind is RequestOutputKind.DELTA, kind is RequestOutputKind.FINAL_ONLY):
+                yield out
 
     def _drop(self, rid: str) -> None:
         """The consumer stopped before the end: forget its queue and abort the request."""

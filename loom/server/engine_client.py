@@ -57,8 +57,8 @@ from loom.errors import EngineDeadError, EngineGoneError, EngineRestartingError,
 from loom.loader.gguf import GGUFFile
 from loom.loader.registry import resolve_model
 from loom.loader.tokenizer import LONG_TEXT_CHARS, Tokenizer
-from loom.outputs import RequestOutput, stream_outputs
-from loom.sampling_params import SamplingParams
+from loom.outputs import RequestOutput, shaped, stream_outputs
+from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server import wire
 from loom.server.metrics import EngineSample
 
@@ -314,8 +314,9 @@ class ProcessEngineClient:
         try:
             self._send(wire.AddRequest(rid, prompt, pickle.dumps(params if params is not None else SamplingParams()),
                                        priority, pickle.dumps(fanout) if fanout is not None else None))
+            kind = params.output_kind if params is not None else RequestOutputKind.CUMULATIVE
             async with aclosing(stream_outputs(queue, lambda: self.abort(rid))) as outs:
-                async for out in outs:
+                async for out in shaped(outs, kind is RequestOutputKind.DELTA, kind is RequestOutputKind.FINAL_ONLY):
                     yield out
         finally:
             self._queues.pop(rid, None)

@@ -55,7 +55,7 @@ class LlamaCompletionRequest(_Request):
             value = data.pop(alias, None)
             if value is None:
                 continue
-            if name in data and data[name] != value:
+            if data.get(name) is not None and data[name] != value:
                 raise ValueError(f"{alias} is llama-server's other name of {name}: {given[name]} gives "
                                  f"{data[name]!r}, {alias} {value!r}; give one")
             data[name], given[name] = value, alias
