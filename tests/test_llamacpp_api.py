@@ -158,6 +158,17 @@ def test_props(server: LoomServer) -> None:
     assert props["build_info"].startswith("loom ")
 
 
+def test_samplers_as_letters_and_other_spellings(server: LoomServer) -> None:
+    """`samplers` as llama.cpp takes it: a string of its letters, names in any case, kebab-case or
+    undashed; a sampler left out is off (here temperature: greedy, whatever its value)."""
+    greedy = complete(server, prompt="The sky is", n_predict=4, temperature=0)["content"]
+    for samplers in ("ekmp", ["Top-K", "minp", "nucleus"]):
+        answer = complete(server, prompt="The sky is", n_predict=4, temperature=5.0, samplers=samplers, top_k=1)
+        assert answer["content"] == greedy, samplers
+    taken = complete(server, prompt="The sky is", n_predict=1, samplers="etkmp")
+    assert taken["generation_settings"]["samplers"][:2] == ["penalties", "temperature"]
+
+
 def test_an_alias_beside_its_field_given_as_null(server: LoomServer) -> None:
     """n_predict: null beside max_tokens (or n_probs: null beside logprobs) reads the alias (a 500)."""
     answer = complete(server, prompt="The sky is", n_predict=None, max_tokens=3, temperature=0)
@@ -202,6 +213,7 @@ def test_tokenize_in_both_shapes(server: LoomServer) -> None:
     ("/completion", {"prompt": "x", "adaptive_target": 0.5}, "adaptive_target"),
     ("/completion", {"prompt": "x", "n_cmpl": 2}, "n_cmpl"),
     ("/completion", {"prompt": "x", "samplers": ["top_k", "top_p", "min_p", "temperature"]}, "samplers"),
+    ("/completion", {"prompt": "x", "samplers": "kypmxt"}, "samplers"),   # llama.cpp's default order, as letters
     ("/completion", {"prompt": "x", "repeat_penalty": 1.1, "repeat_last_n": 64}, "repeat_last_n"),
     ("/completion", {"prompt": ["one", "two"]}, "prompt"),
     ("/completion", {"prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),

@@ -15,8 +15,10 @@ in the answer (streamed, in the last event), as llama-server's does.
 Rules where loom and llama.cpp differ:
 
 * loom's sampler runs penalties, temperature, top_k, min_p, top_p, in that order (vLLM's);
-  `samplers` is honoured where it orders the samplers that are on the same way (a sampler it
-  leaves out is off), and is a 400 otherwise;
+  `samplers` (names in llama.cpp's spellings, or its letters as one string) is honoured where it
+  orders the samplers that are on the same way (a sampler it leaves out is off), and is a 400
+  otherwise: llama.cpp's own default order, temperature last, is one while temperature and
+  top_p or min_p are on;
 * the penalties' window (`repeat_last_n`) is loom's: -1 (the default here) runs
   `repeat_penalty` over the prompt and the output and the presence and frequency penalties
   over the output; 0 turns them off, as in llama.cpp; another window is a 400 while a penalty
@@ -91,6 +93,7 @@ _OFF_KNOBS = (
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 # SamplingParams' names of the fields a /completion request names otherwise
 _PARAMS = {"repetition_penalty": "repeat_penalty", "max_tokens": "n_predict", "logprobs": "n_probs"}
+_CANONICAL_NAMES = sorted(set(SAMPLER_NAMES.values()))
 # pairs of samplers whose order changes the result (`samplers`): the first runs first in loom
 _ORDERED = [("penalties", s) for s in ("temperature", "top_k", "min_p", "top_p")] + [
     ("temperature", "min_p"), ("temperature", "top_p"), ("min_p", "top_p"), ("top_k", "top_p")]
@@ -127,9 +130,9 @@ def _chain(body: LlamaCompletionRequest, active: dict[str, bool]) -> set[str]:
     """The samplers `samplers` leaves out (off), once its order is checked against loom's."""
     names: list[str] = []
     for given in body.samplers:
-        name = SAMPLER_NAMES.get(given) if isinstance(given, str) else None
+        name = SAMPLER_NAMES.get(given.lower()) if isinstance(given, str) else None
         if name is None:
-            raise ApiError(400, f"samplers: unknown sampler {given!r} (llama.cpp's: {', '.join(SAMPLER_NAMES)})",
+            raise ApiError(400, f"samplers: unknown sampler {given!r} (llama.cpp's: {', '.join(_CANONICAL_NAMES)})",
                            param="samplers", code="invalid_value")
         if name in names:
             raise ApiError(400, f"samplers names {given!r} twice: loom runs each sampler once", param="samplers",

@@ -26,14 +26,26 @@ NProbs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)
 PromptPart = Annotated[TokenId | str, Field(union_mode="left_to_right")]
 Prompt = str | list[PromptPart | list[PromptPart]]
 
-# llama.cpp's sampler names (and their aliases), as `samplers` takes them
-SAMPLER_NAMES = {"penalties": "penalties", "dry": "dry", "top_n_sigma": "top_n_sigma", "top_k": "top_k",
-                 "typ_p": "typ_p", "typical_p": "typ_p", "typical": "typ_p", "top_p": "top_p", "nucleus": "top_p",
-                 "min_p": "min_p", "xtc": "xtc", "temperature": "temperature", "temp": "temperature"}
+# llama.cpp's sampler names, as `samplers` takes them (in any case): each canonical name, and for
+# one with an underscore its kebab-case and undashed forms (top-k, topk), and a few more aliases
+_CANONICAL = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
+              "infill", "adaptive_p")
+SAMPLER_NAMES = {**{alias: name for name in _CANONICAL
+                    for alias in (name, name.replace("_", "-"), name.replace("_", ""))},
+                 "typical_p": "typ_p", "typical": "typ_p", "typ": "typ_p", "nucleus": "top_p", "temp": "temperature"}
+# llama.cpp's one-letter names, for `samplers` given as a string ("edkypmxt")
+SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                 "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
 # the order loom's sampler applies the ones it has (loom/sample/sampler.py)
 LOOM_CHAIN = ["penalties", "temperature", "top_k", "min_p", "top_p"]
 # llama-server's other names of /completion fields: alias -> the field
 ALIASES = {"max_tokens": "n_predict", "max_completion_tokens": "n_predict", "logprobs": "n_probs"}
+
+
+def _sampler_chars(value: Any) -> Any:
+    """`samplers` given as llama.cpp's letters: the names they stand for (an unknown letter kept
+    as itself, to be refused by name)."""
+    return [SAMPLER_CHARS.get(c, c) for c in value] if isinstance(value, str) else value
 
 
 class LlamaCompletionRequest(_Request):
@@ -89,7 +101,9 @@ class LlamaCompletionRequest(_Request):
     json_schema: dict | None = Field(None, description="A JSON Schema the output follows ({} for any JSON value).")
     logit_bias: list[list[Any]] | dict[str, float] | None = Field(
         None, description="[[token id, bias], ...] or {\"token id\": bias}; biases in [-100, 100].")
-    samplers: list[str] = Field(default_factory=lambda: list(LOOM_CHAIN))
+    samplers: Annotated[list[str], BeforeValidator(_sampler_chars)] = Field(
+        default_factory=lambda: list(LOOM_CHAIN),
+        description="The samplers on, in order: names, or llama.cpp's letters as one string (\"ekmpt\").")
     response_fields: list[str] = Field(
         default_factory=list, description="Answer with these fields only (the last event, streamed); a/b names b "
                                           "of the object a, moved to the top as \"a/b\"; a path that is not there "
