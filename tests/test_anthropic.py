@@ -128,6 +128,16 @@ def test_a_forced_tool_call_and_its_result(server: LoomServer) -> None:
     assert streamed.stop_reason == "tool_use" and json.loads("".join(fragments)) == call.input
     assert [(b.type, b.name, b.input) for b in streamed.content] == [("tool_use", "get_weather", call.input)]
 
+    # cut short inside its arguments: the whole answer's input is what the SDK rebuilds from the stream
+    trip = {"name": "book_trip", "description": "Book a trip", "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}}
+    short = dict(forced, tools=[trip], tool_choice={"type": "tool", "name": "book_trip"}, stop_sequences=['"days"'])
+    whole = api.messages.create(messages=PARIS, **short)
+    with api.messages.stream(messages=PARIS, **short) as stream:
+        rebuilt = stream.get_final_message()
+    assert whole.stop_reason == rebuilt.stop_reason == "stop_sequence"
+    assert whole.content[0].input == rebuilt.content[0].input and set(whole.content[0].input) == {"city"}
+
     turn = {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
                                                "input": call.input}]}
     for result in ("Sunny, 24 C", [{"type": "text", "text": "Sunny, 24 C"}]):
@@ -306,3 +316,13 @@ def test_what_claude_code_may_send_that_loom_refuses(server: LoomServer) -> None
         "tool_result blocks cannot be in system messages")
     _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, extra_body={
         "thinking": {"type": "sometimes"}}), 400, "invalid_request_error", "thinking")
+
+
+def test_a_forced_tool_call_with_an_output_format_is_refused_in_this_apis_words(server: LoomServer) -> None:
+    """tool_choice any with output_config.format: a 400 naming this API's fields (it named the
+    chat route's "required" and response_format)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    _refused(lambda: client(server).messages.create(model=MODEL, max_tokens=5, messages=QUESTION, tools=[WEATHER],
+                                                    tool_choice={"type": "any"}, extra_body={
+        "output_config": {"format": {"type": "json_schema", "schema": schema}}}), 400, "invalid_request_error",
+        "tool_choice 'any' (a forced tool call) cannot be combined with output_config.format")

@@ -50,6 +50,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -74,48 +75,25 @@ from loom.server.anthropic_protocol import (
     MessageUsage,
     PromptFields,
 )
-from loom.server.errors import ApiError, ClientDisconnected, api_error_from_loom, validation_message
+from loom.server.errors import (ANTHROPIC_PATH, ApiError, ClientDisconnected, anthropic_error_response,
+                                api_error_from_loom, validation_message)
 from loom.server.protocol import ChatCompletionRequest, TokenizeRequest
 from loom.server.sse import ChatStreamRewriter
 
 log = logging.getLogger("loom.server")
 
-PATH = "/v1/messages"
+PATH = ANTHROPIC_PATH
 # chat request fields (and parts of their paths) named differently here, for error messages
 _NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "parameters": "input_schema",
           "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
           "response_format": "output_config.format"}
 _SKIPPED = ("function", "json_schema")   # levels of the chat request a path here does not have
-# the status an error of loom's is answered with here, and Anthropic's type of each
-_OVERLOADED = 529
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", _OVERLOADED: "overloaded_error", 500: "api_error"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 _IGNORED = "metadata, service_tier, cache_control"
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path == PATH or path.startswith(PATH + "/")
-
-
-# -- errors ---------------------------------------------------------------------------------------
-
-
-def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error answer in Anthropic's shape. loom's 429 (its waiting queue is full) and a 503
-    with Retry-After (an engine restarting) are Anthropic's 529 overloaded_error; a 503
-    without one (the engine gone for good) its 500 api_error."""
-    if status == 429 or (status == 503 and headers and "Retry-After" in headers):
-        status = _OVERLOADED
-    elif status > 500:
-        status = 500
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    body = AnthropicError(error=ErrorDetail(type=kind, message=message))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _renamed(path: str) -> str:
@@ -295,6 +273,10 @@ def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request that answers `body`."""
+    forced = body.tools and body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
+    if forced and _response_format(body) is not None:   # a forced call's grammar is the tool's schema
+        raise ApiError(400, f"tool_choice {body.tool_choice.type!r} (a forced tool call) cannot be combined with "
+                       "output_config.format: the call follows its tool's input_schema", param="tool_choice")
     fields = {**_prompt_fields(body), "max_completion_tokens": body.max_tokens, "stop": body.stop_sequences,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stream": body.stream,
               "response_format": _response_format(body),
@@ -325,9 +307,11 @@ def tool_use_id(call_id: str) -> str:
 
 
 def _input(arguments: str) -> dict[str, Any]:
-    """A call's input object; {} where max_tokens cut its arguments short (stop_reason says so)."""
+    """A call's input object. Arguments cut short (by max_tokens or a stop sequence: stop_reason
+    says so) give the fields they hold whole, as Anthropic's SDKs read a stream's
+    input_json_delta fragments, so the streamed and the whole answer agree."""
     try:
-        value = json.loads(arguments)
+        value = pydantic_core.from_json(arguments, allow_partial=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -177,8 +177,8 @@ class ToolChoice(_Request):
 class ThinkingEnabled(_Request):
     type: Literal["enabled"]
     budget_tokens: Annotated[int, Field(ge=MIN_THINKING_BUDGET)] = Field(
-        description="Checked as Anthropic checks it (at least 1024, below max_tokens); the thinking counts "
-                    "against max_tokens.")
+        description="Checked as Anthropic checks it (at least 1024, below max_tokens): a cap on thinking "
+                    "tokens, which these models write none of (any thinking would count against max_tokens).")
 
 
 class ThinkingAdaptive(_Request):

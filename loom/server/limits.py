@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loom.server.anthropic import anthropic_error_response, is_anthropic_path
-from loom.server.errors import error_response
+from loom.server.errors import anthropic_error_response, error_response, is_anthropic_path
 
 
 @dataclass(frozen=True)
