@@ -401,8 +401,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes the server to the network."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="LOOM_API_KEY",
-                                       help="Require 'Authorization: Bearer KEY' on /v1/* and /tokenize, /detokenize, "
-                                            "/tokenizer_info (/health, /metrics and the playground stay open)."),
+                                       help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, "
+                                            "/tokenize, /detokenize, /tokenizer_info and llama-server's /completion, "
+                                            "/apply-template, /props (/health, /metrics and the playground stay open)."),
     served_model_name: str | None = typer.Option(
         None, help="Name clients send as `model` (default: the registry name, or the .gguf file stem)."),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (default: physical cores)."),

@@ -37,6 +37,17 @@ from loom.sampling_params import SamplingParams
 # them, the server's /metrics exports them (without importing the engine)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
+
+def iteration_buckets(per_bucket: Sequence[int]) -> list[tuple[str, int]]:
+    """Steps per bucket of ITERATION_BUCKETS (and one above) as Prometheus' cumulative buckets:
+    (upper bound as its exposition writes it, "+Inf" last; steps up to it)."""
+    running, out = 0, []
+    for bound, n in zip([*(str(float(b)) for b in ITERATION_BUCKETS), "+Inf"], per_bucket):
+        running += n
+        out.append((bound, running))
+    return out
+
+
 @dataclass(frozen=True)
 class DraftTree:
     tokens: tuple[int, ...]

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loom.config import EngineConfig
-from loom.contracts import ITERATION_BUCKETS
+from loom.contracts import iteration_buckets
 from loom.engine.engine import Engine
 from loom.errors import InvalidRequestError
 from loom.loader.chat_messages import message_dicts, tool_list, with_tools
@@ -58,16 +58,6 @@ class Histogram(Metric):
     buckets: dict[str, int]
 
 
-def _cumulative(per_bucket: Sequence[int]) -> dict[str, int]:
-    """Per-bucket step counts (ITERATION_BUCKETS, then one above) as Prometheus' cumulative buckets."""
-    bounds = [*(str(float(b)) for b in ITERATION_BUCKETS), "+Inf"]
-    running, out = 0, {}
-    for bound, n in zip(bounds, per_bucket):
-        running += n
-        out[bound] = running
-    return out
-
-
 def _no_lora(lora_request) -> None:
     """vLLM's lora_request: None is fine (code passes it always); an adapter is refused by name."""
     if lora_request is not None:
@@ -111,7 +101,7 @@ class LLM:
             Counter("vllm:prefix_cache_queries", labels, kv.stats.prefix_cache_queries),
             Counter("vllm:prefix_cache_hits", labels, kv.stats.prefix_cache_hits),
             Histogram("vllm:iteration_tokens_total", labels, sum(s.iteration_tokens), s.iteration_tokens_sum,
-                      _cumulative(s.iteration_tokens))]
+                      dict(iteration_buckets(s.iteration_tokens)))]
         if engine.spec is not None:
             st = engine.spec.stats
             out += [Counter("vllm:spec_decode_num_drafts", labels, st.num_drafts),
@@ -121,8 +111,8 @@ class LLM:
         return out
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets the prefix cache (vLLM's): the next prompts are computed in full, as in a fresh
-        engine (e.g. to time prefill again). False while requests are running."""
+        """Forgets the prefix cache (vLLM's): the next prompts are computed in full (e.g. to time
+        prefill again); what speculative drafters learned is kept. False while requests are running."""
         return self.engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:

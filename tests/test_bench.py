@@ -736,7 +736,8 @@ def test_spec_bench_refuses_a_bad_prompt_file_in_one_line(tiny_llama_path: Path,
     for content, words in ((b'{"category": "qa", "turns": ["hi"]}\nnot json\n', "line 2 is not a Spec-Bench"),
                            (b'{"category": "qa"}\n', "line 1 is not a Spec-Bench"),
                            (b'\xff\xfe{"category"\n', "cannot read Spec-Bench prompts"),
-                           (b'{"category": "qa", "turns": ["' + b"word " * 2000 + b'"]}\n', "fits in")):
+                           (b'{"category": "qa", "turns": ["' + b"word " * 2000 + b'"]}\n', "fits in"),
+                           (b"\n", "holds no Spec-Bench question")):
         bad.write_bytes(content)
         result = CliRunner().invoke(app, ["bench", "--spec", "--quick", "--model", str(tiny_llama_path),
                                           "--threads", "1", "--prompts", str(bad)])

@@ -87,6 +87,8 @@ def _prompts(path: Path, rows: list[tuple[str, str]], tok, s: SpecBenchSettings)
             if len(ids) <= s.prompt_tokens:
                 by_cat[cat].append(ids)
     kept = {c: p for c, p in by_cat.items() if p}
+    if not rows:
+        raise BenchError(f"{path} holds no Spec-Bench question: nothing to measure")
     if not kept:
         raise BenchError(f"no prompt in {path} fits in {s.prompt_tokens} tokens: nothing to measure")
     return kept

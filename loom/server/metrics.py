@@ -24,7 +24,7 @@ from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogra
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loom.contracts import ITERATION_BUCKETS, SpecStats
+from loom.contracts import SpecStats, iteration_buckets
 from loom.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -137,11 +137,7 @@ def _iteration_histogram(s: EngineSample, labels: list[str]) -> HistogramMetricF
     """vllm:iteration_tokens_total from the engine's per-bucket step counts."""
     h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt tokens computed "
                               "and tokens generated).", labels=["model_name"])
-    running, buckets = 0, []
-    for bound, n in zip([*map(str, map(float, ITERATION_BUCKETS)), "+Inf"], s.iteration_tokens):
-        running += n
-        buckets.append((bound, running))
-    h.add_metric(labels, buckets, s.iteration_tokens_sum)
+    h.add_metric(labels, iteration_buckets(s.iteration_tokens), s.iteration_tokens_sum)
     return h
 
 

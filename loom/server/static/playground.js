@@ -7,7 +7,8 @@
 // Rules: one answer streams at a time; the conversation sent is the visible history (answers
 // that failed or were stopped before any text are left out); text from the model is only
 // ever inserted as text, never as HTML. The conversation and the settings are kept in the
-// browser's localStorage (per server address) and shown again after a reload; Clear forgets them.
+// browser's localStorage (per server address) and shown again after a reload; Clear forgets the
+// conversation (the settings stay).
 "use strict";
 
 (() => {
