@@ -14,6 +14,7 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -31,6 +32,8 @@ from loom.errors import (
     QueueFullError,
 )
 from loom.server.protocol import IGNORED_FIELDS, NO_OP_FIELDS, ErrorInfo, ErrorResponse
+
+log = logging.getLogger("loom.server")
 
 # Seconds a client told "queue full" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -100,6 +103,17 @@ def api_error_from_loom(e: LoomError, path: str = "") -> ApiError:
             param = "max_output_tokens" if path.endswith("/responses") else "max_tokens"
         return ApiError(400, message, param=param, code="context_length_exceeded")
     return ApiError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def stream_error(e: Exception) -> dict[str, Any]:
+    """The error object of a stream that failed after its status line went out (sent in-band):
+    a LoomError as its answer would have said it (an engine that died: 503's), anything else an
+    internal error, logged."""
+    if isinstance(e, LoomError):
+        err = api_error_from_loom(e)
+        return {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
+    log.error("stream failed: %r", e)
+    return {"message": "internal server error", "type": SERVER_ERROR, "param": None, "code": None}
 
 
 def retry_headers(e: EngineDeadError) -> dict[str, str] | None:
@@ -195,3 +209,30 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _bug(_: Request, __: Exception) -> JSONResponse:
         # Starlette re-raises the exception after this answer, so the server logs its traceback.
         return error_response(500, "internal server error", type=SERVER_ERROR)
+
+
+# Anthropic's Messages API (loom/server/anthropic.py) answers errors in its own shape, the
+# middlewares' 401 and 413 too: the status loom's errors get there, and Anthropic's type of each
+ANTHROPIC_PATH = "/v1/messages"
+_OVERLOADED = 529
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", _OVERLOADED: "overloaded_error",
+                    500: "api_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error answer in Anthropic's shape ({"type": "error", "error": {"type", "message"}}).
+    loom's 429 (its waiting queue is full) and a 503 with Retry-After (an engine restarting) are
+    Anthropic's 529 overloaded_error; a 503 without one (the engine gone for good) its 500
+    api_error."""
+    if status == 429 or (status == 503 and headers and "Retry-After" in headers):
+        status = _OVERLOADED
+    elif status > 500:
+        status = 500
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
+                        headers=headers)

@@ -41,13 +41,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 import loom
-from loom.errors import InvalidRequestError, LoomError, TokenizerError
+from loom.errors import InvalidRequestError, TokenizerError
 from loom.loader.registry import REGISTRY, cached_path
 from loom.outputs import Logprob, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
 from loom.server.choices import ChoiceGroup, fan_out
 from loom.server.engine_client import off_loop
-from loom.server.errors import SERVER_ERROR, ApiError, ClientDisconnected, api_error_from_loom
+from loom.server.errors import ApiError, ClientDisconnected, stream_error
 from loom.server.llamacpp_protocol import (
     ApplyTemplateRequest,
     ApplyTemplateResponse,
@@ -336,7 +336,7 @@ class LlamaCppServing:
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
-            yield event({"error": _stream_error(e)})
+            yield event({"error": stream_error(e)})
         finally:
             group.close()
 
@@ -391,15 +391,6 @@ def _piece(raw: bytes) -> str | list[int]:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
-
-
-def _stream_error(e: Exception) -> dict[str, Any]:
-    """The error event of a stream that failed after its status line (an engine that died: 503's)."""
-    if isinstance(e, LoomError):
-        err = api_error_from_loom(e)
-        return {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
-    log.error("llama.cpp stream failed: %r", e)
-    return {"message": "internal server error", "type": SERVER_ERROR, "param": None, "code": None}
 
 
 def model_path(name: str) -> Path:

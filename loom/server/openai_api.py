@@ -38,7 +38,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import loom
-from loom.errors import EngineDeadError, EngineRestartingError, LoomError, TokenizerError
+from loom.errors import EngineRestartingError, TokenizerError
 from loom.loader.chat_messages import message_dicts, with_tools
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
@@ -52,6 +52,7 @@ from loom.server.errors import (
     ClientDisconnected,
     install_error_handlers,
     retry_headers,
+    stream_error,
 )
 from loom.server.llamacpp import LlamaCppServing, llama_tokenize, llamacpp_router
 from loom.server.llamacpp_protocol import LlamaTokenizeRequest, LlamaTokenizeResponse, TokenizeBody
@@ -604,7 +605,7 @@ class OpenAIServing:
         except ClientDisconnected:
             return
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
-            yield self._stream_error(e)
+            yield event({"error": stream_error(e)})
             yield DONE
         finally:
             group.close()
@@ -783,18 +784,6 @@ class OpenAIServing:
                                  "model": self.model}, "delta", usage_null=include_usage == FINAL_USAGE)
         return self._stream(group, body.n, include_usage, dump, choice_of, roles, _prediction(body),
                             plain=plain)
-
-    @staticmethod
-    def _stream_error(e: Exception) -> str:
-        code = None
-        if isinstance(e, EngineDeadError):
-            kind, message, code = "server_error", str(e), "engine_unavailable"
-        elif isinstance(e, LoomError):
-            kind, message = INVALID_REQUEST, str(e)
-        else:
-            log.error("stream failed: %r", e)
-            kind, message = "server_error", "internal server error"
-        return event({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
     # -- models and stats ------------------------------------------------------------------------
     # -- tokenizer endpoints (vLLM's; lm-eval's remote tokenizer uses them) ------------------------
