@@ -326,3 +326,12 @@ def test_a_forced_tool_call_with_an_output_format_is_refused_in_this_apis_words(
                                                     tool_choice={"type": "any"}, extra_body={
         "output_config": {"format": {"type": "json_schema", "schema": schema}}}), 400, "invalid_request_error",
         "tool_choice 'any' (a forced tool call) cannot be combined with output_config.format")
+
+
+def test_empty_text_blocks_and_repeated_tool_names_are_refused(server: LoomServer) -> None:
+    """As Anthropic's API refuses them (a call to a name two tools share could be either)."""
+    api = client(server)
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
+        {"type": "text", "text": ""}]}]), 400, "invalid_request_error", "messages")
+    _refused(lambda: api.messages.create(model=MODEL, max_tokens=5, messages=QUESTION, tools=[WEATHER, WEATHER]),
+             400, "invalid_request_error", "tool names must be unique: 'get_weather'")

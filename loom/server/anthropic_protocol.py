@@ -45,7 +45,7 @@ class CacheControl(_Request):
 
 class TextBlock(_Request):
     type: Literal["text"]
-    text: str
+    text: Annotated[str, Field(min_length=1, description="Not empty (as Anthropic's API requires).")]
     cache_control: CacheControl | None = None
 
 
@@ -262,6 +262,14 @@ class PromptFields(_Request):
     @classmethod
     def _text_system(cls, v: Any) -> Any:
         return _text_blocks_only(v, "system")
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v: list[CustomTool] | None) -> list[CustomTool] | None:
+        names = [t.name for t in v or []]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tool names must be unique: {', '.join(map(repr, twice))} given more than once")
+        return v
 
     @property
     def system_text(self) -> str | None:
