@@ -1488,7 +1488,8 @@ def test_integers_past_64_bits_fail_their_request_or_mean_no_limit(make_tiny):
     assert SamplingParams(top_k=huge).top_k == 2**31 - 1
     plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     for fields in ({"top_k": huge, "temperature": 0.7, "seed": 1}, {"max_tokens": huge}, {"min_tokens": huge,
-                   "max_tokens": None}, {"truncate_prompt_tokens": huge}):
+                   "max_tokens": None}, {"truncate_prompt_tokens": huge},
+                   {"stop_token_ids": [2**63, 2**64 + 5], "min_tokens": 2}):   # past the vocabulary: never banned
         try:
             params = SamplingParams(**{"max_tokens": 3, "ignore_eos": True, **fields})
         except InvalidRequestError:
@@ -1505,3 +1506,33 @@ def test_integers_past_64_bits_fail_their_request_or_mean_no_limit(make_tiny):
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in done] == [rid] and len(done[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the thread re-raises
+def test_a_failed_engine_thread_refuses_new_requests_at_once(make_tiny, monkeypatch):
+    """AsyncEngine (loom serve --no-engine-process): once a step fails, the streams in flight end
+    with EngineGoneError (a 503, not a 500) and a new request is refused at once (it waited
+    forever for a thread that was gone)."""
+    import asyncio
+
+    from loom.engine.async_engine import AsyncEngine
+    from loom.errors import EngineGoneError
+
+    ae = AsyncEngine(make_tiny())
+
+    def broken():
+        raise RuntimeError("a bug in the step")
+
+    monkeypatch.setattr(ae.engine, "step", broken)
+
+    async def drain():
+        return [o async for o in ae.generate("hello", SamplingParams(max_tokens=2))]
+
+    try:
+        with pytest.raises(EngineGoneError, match="engine step failed"):
+            asyncio.run(drain())
+        ae._thread.join(timeout=10)
+        with pytest.raises(EngineGoneError, match="restart the server"):
+            asyncio.run(asyncio.wait_for(drain(), timeout=10))
+    finally:
+        ae.shutdown()

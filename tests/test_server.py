@@ -528,6 +528,14 @@ BAD_REQUESTS = [
      400, "modalities.1", "'text'"),
     ("top-logprobs-alone", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', 400,
      "top_logprobs", "logprobs"),
+    # past 64 bits or past what a step can afford: refused before the engine (a 500, or a failed step)
+    ("token-id-past-64-bits", COMPLETIONS, b'{"prompt": [1, 18446744073709551616]}', 400, "prompt.0", "less than"),
+    ("stop-id-past-64-bits", COMPLETIONS, b'{"prompt": "hi", "stop_token_ids": [9223372036854775808]}', 400,
+     "stop_token_ids.0", "less than"),
+    ("logit-bias-key-of-5000-digits", COMPLETIONS, json.dumps({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}).encode(),
+     400, "logit_bias", "token ids"),
+    ("too-many-bad-words", COMPLETIONS, json.dumps({"prompt": "hi", "bad_words": ["x"] * 257}).encode(), 400,
+     "bad_words", "256"),
 ]
 
 

@@ -19,6 +19,7 @@ from contextlib import aclosing
 
 from loom.config import EngineConfig
 from loom.engine.engine import Engine
+from loom.errors import EngineGoneError
 from loom.outputs import RequestOutput, shaped, stream_outputs
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -62,6 +63,8 @@ class AsyncEngine:
         self.start()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self.error is not None:   # the engine thread is gone: nothing would step this request
+                raise EngineGoneError(f"the engine failed and is not running ({self.error!r}); restart the server")
             rid = self.engine.add_request(prompt, params, request_id, priority, fanout=fanout)
             self._queues[rid] = (asyncio.get_running_loop(), queue)
         self._wake.set()
@@ -114,5 +117,5 @@ class AsyncEngine:
 
     def _fail_all(self, e: BaseException) -> None:
         for loop, queue in list(self._queues.values()):
-            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine failed: {e!r}"))
+            loop.call_soon_threadsafe(queue.put_nowait, EngineGoneError(f"engine step failed: {e!r}; restart the server"))
 

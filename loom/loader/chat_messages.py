@@ -80,7 +80,7 @@ def _native_calls(tool_calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):   # not JSON, or nested past the parser's depth: kept as text
                 pass
         out.append({**c, "type": c.get("type", "function"), "function": {**fn, "arguments": args}})
     return out

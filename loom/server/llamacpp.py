@@ -157,7 +157,7 @@ def _logit_bias(value: list[list[Any]] | dict[str, float] | None) -> dict[int, f
     out: dict[int, float] = {}
     for pair in pairs:
         key, bias = pair if len(pair) == 2 else (None, None)
-        if isinstance(key, str) and key.isascii() and key.isdigit():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:   # 19 digits: int64
             key = int(key)
         if not isinstance(key, int) or isinstance(key, bool) or key < 0:
             raise ApiError(400, f"logit_bias entries must be [token id, bias] with a token id (text is not "

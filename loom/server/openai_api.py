@@ -256,7 +256,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        token = int(key) if key.isascii() and key.isdigit() else None
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 19 else None   # 19 digits: int64
         if token is None:
             raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
                            param="logit_bias", code="invalid_value")

@@ -36,7 +36,9 @@ def _integral(value: object) -> object:
 
 # Integer fields: an integer, or a float with no fractional part (never a string or bool).
 # The bounds sit inside the Annotated so the JSON schema states them as minimum / maximum.
-TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_integral)]
+# bad words a request may name: each is matched against every row's output at every step
+MAX_BAD_WORDS = 256
 Count = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 PositiveCount = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
 ChoiceCount = Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)]
@@ -275,8 +277,9 @@ class SamplingFields(_Request):
                           "the returned logprobs stay the model's own.")
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
         None, description="Extension (vLLM): only these token ids may be sampled.")
-    bad_words: list[NonEmptyStr] | None = Field(None, description="Extension (vLLM): words never generated "
-                                                                  "(alone or after a space).")
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_BAD_WORDS)] | None = Field(
+        None, description="Extension (vLLM): words never generated (alone or after a space); each is checked "
+                          "at every step, so a request names at most 256.")
     prediction: Prediction | None = Field(None, description="Text the output will mostly repeat (code to edit): "
                                                            "drafted from where the server runs speculative "
                                                            "decoding; the output is the same without it.")
