@@ -534,6 +534,8 @@ BAD_REQUESTS = [
      "stop_token_ids.0", "less than"),
     ("logit-bias-key-of-5000-digits", COMPLETIONS, json.dumps({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}).encode(),
      400, "logit_bias", "token ids"),
+    ("template-kwargs-tokenize", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"chat_template_kwargs": {"tokenize": false}}', 400, "chat_template_kwargs", "tokenize"),
     ("too-many-bad-words", COMPLETIONS, json.dumps({"prompt": "hi", "bad_words": ["x"] * 257}).encode(), 400,
      "bad_words", "256"),
 ]

@@ -247,6 +247,9 @@ def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
         raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: give "
                             f"{'them' if len(reserved) > 1 else 'it'} as the request's own field",
                        param="chat_template_kwargs", code="invalid_value")
+    if "tokenize" in extra:   # the endpoint decides: ids for a chat request, text for /apply-template
+        raise ApiError(400, "chat_template_kwargs cannot set tokenize", param="chat_template_kwargs",
+                       code="invalid_value")
     return extra
 
 
