@@ -75,14 +75,13 @@ from loom.server.anthropic_protocol import (
     MessageUsage,
     PromptFields,
 )
-from loom.server.errors import (ANTHROPIC_PATH, ApiError, ClientDisconnected, anthropic_error_response,
+from loom.server.errors import (ApiError, ClientDisconnected, anthropic_error_response,
                                 api_error_from_loom, validation_message)
 from loom.server.protocol import ChatCompletionRequest, TokenizeRequest
 from loom.server.sse import ChatStreamRewriter
 
 log = logging.getLogger("loom.server")
 
-PATH = ANTHROPIC_PATH
 # chat request fields (and parts of their paths) named differently here, for error messages
 _NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "parameters": "input_schema",
           "chat_template_kwargs": "thinking", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
