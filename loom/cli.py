@@ -403,7 +403,8 @@ def serve(
     api_key: str | None = typer.Option(None, "--api-key", envvar="LOOM_API_KEY",
                                        help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, "
                                             "/tokenize, /detokenize, /tokenizer_info and llama-server's /completion, "
-                                            "/apply-template, /props (/health, /metrics and the playground stay open)."),
+                                            "/apply-template, /props (/health, /metrics and the playground stay "
+                                            "open)."),
     served_model_name: str | None = typer.Option(
         None, help="Name clients send as `model` (default: the registry name, or the .gguf file stem)."),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1, help="CPU threads (default: physical cores)."),

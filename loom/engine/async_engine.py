@@ -117,5 +117,6 @@ class AsyncEngine:
 
     def _fail_all(self, e: BaseException) -> None:
         for loop, queue in list(self._queues.values()):
-            loop.call_soon_threadsafe(queue.put_nowait, EngineGoneError(f"engine step failed: {e!r}; restart the server"))
+            failed = EngineGoneError(f"engine step failed: {e!r}; restart the server")
+            loop.call_soon_threadsafe(queue.put_nowait, failed)
 

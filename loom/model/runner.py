@@ -132,8 +132,9 @@ class ModelRunner:
         for new in out.new_requests:
             p = new.params
             # stop ids past the vocabulary are never sampled: nothing to ban (nor a tensor can hold 2**63)
+            stops = {t for t in p.stop_token_ids if t < self.vocab_size}
             banned = () if p.min_tokens == 0 else tuple(sorted(
-                {t for t in p.stop_token_ids if t < self.vocab_size} | (set() if p.ignore_eos else set(self.stop_token_ids))))
+                stops | (set() if p.ignore_eos else set(self.stop_token_ids))))
             matcher = None if p.structured_outputs is None else self.structured.matcher(p.structured_outputs)
             self.states[new.req_id] = _ReqState(p, new.prompt_token_ids, request_generator(p), banned,
                                                 matcher=matcher, eviction=make_policy(p.kv_eviction))
